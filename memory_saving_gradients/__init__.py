@@ -1,0 +1,36 @@
+"""Gradient checkpointing for TensorFlow 2: fit deeper models by recomputing activations.
+
+    import memory_saving_gradients as msg
+    grads = msg.gradients(loss, variables, checkpoints="memory")   # in place of tf.gradients
+    msg.patch("memory")   # or: every tf.gradients / Optimizer.minimize call checkpoints
+
+Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
+"""
+
+from memory_saving_gradients.api import (
+    gradients,
+    gradients_collection,
+    gradients_memory,
+    gradients_speed,
+)
+from memory_saving_gradients.patch import patch, patched, unpatch
+from memory_saving_gradients.strategies import (
+    CHECKPOINTS_COLLECTION,
+    NoCheckpointsError,
+    add_checkpoint,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CHECKPOINTS_COLLECTION",
+    "NoCheckpointsError",
+    "add_checkpoint",
+    "gradients",
+    "gradients_collection",
+    "gradients_memory",
+    "gradients_speed",
+    "patch",
+    "patched",
+    "unpatch",
+]

@@ -1,0 +1,90 @@
+"""Read-only queries on a TensorFlow graph: walks, topological order, tensor sizes.
+
+Inside `tf.function` tensors are unhashable (`t in some_list` even builds an `Equal` op), so
+every set and dict here is keyed by the operation or by `tensor.ref()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+
+import networkx as nx
+import numpy as np
+import tensorflow as tf
+
+#: Elements assumed for a dimension whose static size is unknown (usually the batch).
+UNKNOWN_DIM_SIZE = 64
+
+
+def backward_ops(
+    seeds: Iterable[tf.Operation],
+    within: Collection[tf.Operation] | None = None,
+    stop_at: Callable[[tf.Tensor], bool] | None = None,
+) -> set[tf.Operation]:
+    """The seeds and every op whose outputs reach them through data inputs.
+
+    The walk stays inside `within` (when given) and does not cross an input tensor for which
+    `stop_at(tensor)` is true. Control inputs are not followed: no gradient flows through them.
+    """
+    seen: set[tf.Operation] = set()
+    stack = list(seeds)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        for tensor in op.inputs:
+            producer = tensor.op
+            if producer in seen or (within is not None and producer not in within):
+                continue
+            if stop_at is None or not stop_at(tensor):
+                stack.append(producer)
+    return seen
+
+
+def forward_ops(
+    seeds: Iterable[tf.Tensor], within: Collection[tf.Operation] | None = None
+) -> set[tf.Operation]:
+    """Every op that reads the seed tensors, directly or through other ops, inside `within`."""
+    seen: set[tf.Operation] = set()
+    stack = [op for tensor in seeds for op in tensor.consumers()]
+    while stack:
+        op = stack.pop()
+        if op in seen or (within is not None and op not in within):
+            continue
+        seen.add(op)
+        stack.extend(consumer for out in op.outputs for consumer in out.consumers())
+    return seen
+
+
+def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
+    """`ops` ordered so that each comes after the ops it reads, ties broken by creation order.
+
+    Creation order is the order the user wrote the model in, which keeps the tensors alive
+    across any point of the order few (the checkpoint planner relies on that).
+    """
+    if not ops:
+        return []
+    graph = next(iter(ops)).graph
+    creation_index = {op: i for i, op in enumerate(graph.get_operations())}
+    dependencies = nx.DiGraph()
+    dependencies.add_nodes_from(ops)
+    dependencies.add_edges_from(
+        (tensor.op, op) for op in ops for tensor in op.inputs if tensor.op in dependencies
+    )
+    return list(nx.lexicographical_topological_sort(dependencies, key=creation_index.__getitem__))
+
+
+def num_elements(tensor: tf.Tensor) -> int:
+    """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return UNKNOWN_DIM_SIZE
+    return int(np.prod([UNKNOWN_DIM_SIZE if d is None else d for d in shape.as_list()]))
+
+
+def size_in_bytes(tensor: tf.Tensor) -> int:
+    """Bytes `tensor` occupies by its static shape (resources and variants count 8 bytes)."""
+    dtype = tensor.dtype.base_dtype
+    itemsize = 8 if dtype in (tf.resource, tf.variant, tf.string) else dtype.size
+    return num_elements(tensor) * itemsize

@@ -1,0 +1,198 @@
+"""Checkpointed backprop: differentiate the forward pass segment by segment, recomputing each.
+
+The boundaries are the checkpoints plus the view's `must_keep` tensors. Each call of
+TensorFlow's own gradient function differentiates one segment and stops at the boundaries it
+reaches (its `stop_gradients`), returning the gradient that arrives at each of them:
+
+1. The ys are differentiated on the original forward ops, which are still in memory when the
+   backward pass starts, down to the first boundaries.
+2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
+   of earlier levels. From the last level back, each level's segment is copied, and the
+   copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
+   reads no other copy waits (control input) for those incoming gradients, so the executor
+   recomputes a segment only when backprop reaches it. The waits also keep TensorFlow's common
+   subexpression elimination from merging a copy with its original.
+3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
+
+Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
+no ops and needs no copy for the last segment. It stops whole ops, so a boundary op keeps all
+of its outputs that the forward pass reads as boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+from toposort import toposort
+
+from memory_saving_gradients import _tf, editor, graph
+from memory_saving_gradients.view import ForwardView
+
+Gradient = tf.Tensor | tf.IndexedSlices
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """The `tf.gradients` arguments passed on to every segment's gradient call."""
+
+    name: str = "gradients"
+    colocate_gradients_with_ops: bool = True
+    gate_gradients: bool = False
+    aggregation_method: object = None
+    stop_gradients: tuple[tf.Tensor, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """The recomputable ops differentiated after some seeds, and the boundaries it stops at."""
+
+    ops: frozenset[tf.Operation]
+    frontier: tuple[tf.Tensor, ...]
+
+    @classmethod
+    def behind(
+        cls, seeds: Sequence[tf.Operation], view: ForwardView, is_boundary: Callable
+    ) -> _Segment:
+        reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
+        frontier = {t.ref(): t for op in reached for t in op.inputs if is_boundary(t)}
+        return cls(reached & view.recomputable, tuple(frontier.values()))
+
+    def __or__(self, other: _Segment) -> _Segment:
+        frontier = {t.ref(): t for t in (*self.frontier, *other.frontier)}
+        return _Segment(self.ops | other.ops, tuple(frontier.values()))
+
+
+class _GradientSums:
+    """Gradient parts received per tensor, summed once when first read."""
+
+    def __init__(self) -> None:
+        self._parts: dict[object, list[Gradient]] = {}
+
+    def add(self, tensor: tf.Tensor, gradient: Gradient | None) -> None:
+        if gradient is not None:
+            self._parts.setdefault(tensor.ref(), []).append(gradient)
+
+    def has(self, tensor: tf.Tensor) -> bool:
+        return tensor.ref() in self._parts
+
+    def total(self, tensor: tf.Tensor) -> Gradient:
+        parts = self._parts[tensor.ref()]
+        if len(parts) > 1:
+            parts[:] = [_tf.sum_gradients(parts)]
+        return parts[0]
+
+
+def checkpointed_gradients(
+    view: ForwardView,
+    checkpoints: Sequence[tf.Tensor],
+    grad_ys: Sequence[tf.Tensor | None] | None,
+    options: GradientOptions,
+) -> list[Gradient | None]:
+    """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
+    `checkpoints` and the view's `must_keep` from the forward pass."""
+    boundaries = _boundaries(view, [*checkpoints, *view.must_keep])
+
+    def is_boundary(tensor: tf.Tensor) -> bool:
+        return tensor.ref() in boundaries
+
+    boundary_ops = {t.op for t in boundaries.values()}
+    segments = {op: _Segment.behind([op], view, is_boundary) for op in boundary_ops}
+    levels = list(toposort({op: {t.op for t in s.frontier} for op, s in segments.items()}))
+    user_stopped = {t.op for t in options.stop_gradients}
+    sums = _GradientSums()
+
+    graph_ = view.ys[0].graph
+    with graph_.name_scope(options.name) as scope:
+        ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
+        _differentiate(view.ys, grad_ys, ys_segment.frontier, {}, view, options, sums)
+        for depth, level in enumerate(reversed(levels)):
+            reached = [
+                t
+                for op in level
+                if op not in user_stopped
+                for t in op.outputs
+                if is_boundary(t) and sums.has(t)
+            ]
+            if not reached:
+                continue
+            segment = functools.reduce(operator.or_, (segments[t.op] for t in reached))
+            copies = editor.copy_ops(
+                sorted(segment.ops, key=view.position.__getitem__),
+                scope=f"{scope}recompute_{depth}/",
+            )
+            incoming = [sums.total(t) for t in reached]
+            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming))
+            copied = [copies[t.op].outputs[t.value_index] for t in reached]
+            _differentiate(copied, incoming, segment.frontier, copies, view, options, sums)
+
+    return [sums.total(x) if sums.has(x) else None for x in view.xs]
+
+
+def _boundaries(view: ForwardView, tensors: Sequence[tf.Tensor]) -> dict[object, tf.Tensor]:
+    """The given tensors, widened to every output of their ops that the forward pass reads."""
+    ys = {y.ref() for y in view.ys}
+    return {
+        out.ref(): out
+        for op in {t.op for t in tensors}
+        for out in op.outputs
+        if out.ref() in ys or view.consumers(out)
+    }
+
+
+def _first_copies(copies: dict[tf.Operation, tf.Operation]) -> list[tf.Operation]:
+    """The copies that read no other copy: once they wait, the whole segment waits."""
+    copied = set(copies.values())
+    return [c for c in copied if not any(t.op in copied for t in c.inputs)]
+
+
+def _ops_of(gradients: Sequence[Gradient]) -> list[tf.Operation]:
+    tensors = tf.nest.flatten(list(gradients), expand_composites=True)
+    return list({t.op: None for t in tensors})
+
+
+def plain_gradients(
+    view: ForwardView, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
+) -> list[Gradient | None]:
+    """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
+    return _tensorflow_gradients(
+        view.ys, view.xs, grad_ys, options.stop_gradients, options, name=options.name
+    )
+
+
+def _differentiate(
+    ys: Sequence[tf.Tensor],
+    grad_ys: Sequence[Gradient | None] | None,
+    frontier: Sequence[tf.Tensor],
+    copies: dict[tf.Operation, tf.Operation],
+    view: ForwardView,
+    options: GradientOptions,
+    sums: _GradientSums,
+) -> None:
+    """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, adding to `sums`."""
+    targets = [*frontier, *view.xs]
+    copied_stops = [
+        copies[t.op].outputs[t.value_index] for t in options.stop_gradients if t.op in copies
+    ]
+    stops = [*frontier, *options.stop_gradients, *copied_stops]
+    gradients = _tensorflow_gradients(ys, targets, grad_ys, stops, options, name="segment")
+    for target, gradient in zip(targets, gradients, strict=True):
+        sums.add(target, gradient)
+
+
+def _tensorflow_gradients(
+    ys, xs, grad_ys, stop_gradients, options: GradientOptions, *, name: str
+) -> list:
+    return _tf.tensorflow_gradients(
+        list(ys),
+        list(xs),
+        None if grad_ys is None else list(grad_ys),
+        name=name,
+        colocate_gradients_with_ops=options.colocate_gradients_with_ops,
+        gate_gradients=options.gate_gradients,
+        aggregation_method=options.aggregation_method,
+        stop_gradients=list(stop_gradients),
+    )

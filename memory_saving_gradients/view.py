@@ -1,0 +1,96 @@
+"""The forward graph between xs and ys, as checkpointing sees it.
+
+Only the ops that lie on a path from some x to some y matter: ops outside it receive no
+gradient, so they are never recomputed. Of those ops, some must not be recomputed either,
+because running them a second time would give another result (random ops, variable reads,
+iterators) or is not possible piecemeal (TF1 control-flow frames). Their outputs are used as
+they were computed in the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from functools import cached_property
+
+import tensorflow as tf
+
+from memory_saving_gradients import _tf, graph
+
+logger = logging.getLogger("memory_saving_gradients")
+
+#: Stateless op types whose value may be overridden at run time (fed), so a copy could differ.
+NEVER_RECOMPUTED_TYPES = frozenset({"PlaceholderWithDefault"})
+
+
+def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> str | None:
+    """The reason `op` must not be copied into the backward pass, or None if it may be."""
+    if op in xs_ops:
+        return "it produces one of xs"
+    if _tf.is_stateful(op):
+        return "it is stateful (random, variable access, I/O), so a rerun could differ"
+    if _tf.in_v1_control_flow(op):
+        return "it is inside a TF1 control-flow frame"
+    if op.type in NEVER_RECOMPUTED_TYPES:
+        return f"{op.type} can be fed at run time"
+    if any(t.dtype != t.dtype.base_dtype for t in op.inputs):
+        return "it reads a reference variable, which may change before the backward pass"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardView:
+    """The ops between xs and ys, which of them may be recomputed, and what must be kept.
+
+    Attributes:
+      ys, xs: the differentiated tensors and the tensors differentiated against.
+      ops: every op on a path from an x to a y, in topological order.
+      recomputable: the ops of `ops` that a backward pass may run again.
+      must_keep: outputs of recomputable ops that non-recomputable ops read. Gradients flow
+        into the non-recomputable op as it ran, so these tensors are always kept.
+    """
+
+    ys: tuple[tf.Tensor, ...]
+    xs: tuple[tf.Tensor, ...]
+    ops: tuple[tf.Operation, ...]
+    recomputable: frozenset[tf.Operation]
+    must_keep: tuple[tf.Tensor, ...]
+
+    @classmethod
+    def build(cls, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardView:
+        """Analyse the graph between `xs` and `ys` (tensors of one graph)."""
+        reaching_ys = graph.backward_ops(y.op for y in ys)
+        between = graph.forward_ops(xs, within=reaching_ys)
+        ordered = graph.topological_order(between)
+        xs_ops = frozenset(x.op for x in xs)
+        recomputable = set()
+        for op in ordered:
+            reason = why_not_recomputable(op, xs_ops)
+            if reason is None:
+                recomputable.add(op)
+            else:
+                logger.debug("Not recomputing %s (%s): %s.", op.name, op.type, reason)
+        must_keep = {
+            t.ref(): t
+            for op in ordered
+            if op not in recomputable
+            for t in op.inputs
+            if t.op in recomputable
+        }
+        return cls(
+            ys=tuple(ys),
+            xs=tuple(xs),
+            ops=tuple(ordered),
+            recomputable=frozenset(recomputable),
+            must_keep=tuple(must_keep.values()),
+        )
+
+    @cached_property
+    def position(self) -> dict[tf.Operation, int]:
+        """Index of each op in `ops`: sorting by it gives a topological order."""
+        return {op: i for i, op in enumerate(self.ops)}
+
+    def consumers(self, tensor: tf.Tensor) -> list[tf.Operation]:
+        """The ops of this view that read `tensor`."""
+        return [op for op in tensor.consumers() if op in self.position]

@@ -1,0 +1,98 @@
+"""Run `tf.gradients` and `memory_saving_gradients.gradients` side by side and compare."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
+
+import memory_saving_gradients as msg
+from tests.models import Model
+
+tf1 = tf.compat.v1
+
+
+def checkpoints_for(strategy: str, kept: list[tf.Tensor]):
+    """The `checkpoints` argument for a strategy name, 'list' meaning the model's own picks."""
+    if strategy == "list":
+        return kept
+    if strategy == "collection":
+        for tensor in kept:
+            msg.add_checkpoint(tensor)
+    return strategy
+
+
+def gradients_in_session(model_fn, strategy: str, *, input_gradient=False, grad_ys=None):
+    """(tf.gradients values, checkpointed values) of one Session run on a fresh graph."""
+    with tf.Graph().as_default():
+        model: Model = model_fn()
+        x = tf1.placeholder(model.x.dtype, model.x.shape)
+        ys, kept = model.forward(x)
+        xs = [*model.variables, *([x] if input_gradient else [])]
+        seeds = (
+            None
+            if grad_ys is None
+            else [tf.constant(g(y)) for g, y in zip(grad_ys, ys, strict=True)]
+        )
+        reference = tf1.gradients(ys, xs, grad_ys=seeds)
+        got = msg.gradients(ys, xs, grad_ys=seeds, checkpoints=checkpoints_for(strategy, kept))
+        assert_recomputes(tf1.get_default_graph())
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            return session.run((reference, got), {x: model.x})
+
+
+def gradients_in_function(model_fn, strategy: str, *, input_gradient=False):
+    """(tf.gradients values, checkpointed values) of one call of a tf.function."""
+    model: Model = model_fn()
+
+    @tf.function
+    def step(x):
+        ys, kept = model.forward(x)
+        xs = [*model.variables, *([x] if input_gradient else [])]
+        reference = tf.gradients(ys, xs)
+        got = msg.gradients(ys, xs, checkpoints=checkpoints_for(strategy, kept))
+        assert_recomputes(tf1.get_default_graph())
+        return reference, got
+
+    return tf.nest.map_structure(
+        lambda t: t.numpy() if isinstance(t, tf.Tensor) else t,
+        step(tf.constant(model.x)),
+        expand_composites=False,
+    )
+
+
+def assert_recomputes(graph: tf.Graph) -> None:
+    """Fail unless the checkpointed gradients copied some forward ops, so a test comparing
+    them with tf.gradients compares a rewrite, not TensorFlow with itself."""
+    assert any("/recompute_" in op.name for op in graph.get_operations()), "nothing recomputed"
+
+
+def dense(value) -> np.ndarray:
+    """A gradient value as a dense array (IndexedSlices values are scattered and summed)."""
+    if isinstance(value, (tf.IndexedSlices, IndexedSlicesValue)):
+        values, indices = np.asarray(value.values), np.asarray(value.indices)
+        out = np.zeros(np.asarray(value.dense_shape), values.dtype)
+        np.add.at(out, indices, values)
+        return out
+    return np.asarray(value)
+
+
+def assert_same_gradients(reference, got, rtol=1e-5) -> None:
+    """Equal to float round-off, None where tf.gradients gives None, sparse where it is."""
+    assert len(reference) == len(got)
+    for i, (want, have) in enumerate(zip(reference, got, strict=True)):
+        if want is None:
+            assert have is None, f"gradient {i}: tf.gradients gives None, got {have}"
+            continue
+        sparse = (tf.IndexedSlices, IndexedSlicesValue)
+        assert isinstance(have, sparse) == isinstance(want, sparse), f"gradient {i} type"
+        want, have = dense(want), dense(have)
+        scale = float(np.abs(want).max()) or 1.0
+        np.testing.assert_allclose(
+            have.astype(np.float64),
+            want.astype(np.float64),
+            rtol=rtol,
+            atol=rtol * scale,
+            err_msg=f"gradient {i}",
+        )
