@@ -1,0 +1,193 @@
+"""Bad input gets a clear, early error naming what is wrong; tf.gradients options pass through."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from tests.helpers import assert_recomputes, assert_same_gradients
+
+tf1 = tf.compat.v1
+
+
+def chain(n=6, width=8):
+    x = tf1.placeholder(tf.float32, [4, width], name="x")
+    ws = [tf.Variable(np.eye(width, dtype=np.float32) * 0.9, name=f"w{i}") for i in range(n)]
+    h, hidden = x, []
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+        hidden.append(h)
+    return x, ws, hidden, tf.reduce_sum(h * h)
+
+
+def evaluate(fetches, x):
+    """Run nested lists of gradients; None entries (unconnected) stay None."""
+    present = [[g for g in group if g is not None] for group in fetches]
+    with tf1.Session() as session:
+        session.run(tf1.global_variables_initializer())
+        values = iter(session.run(present, {x: np.ones(x.shape, np.float32)}))
+    return [
+        [None if g is None else next(group_values) for g in group]
+        for group, group_values in zip(fetches, (iter(v) for v in values), strict=True)
+    ]
+
+
+def test_eager_call_says_to_use_a_graph():
+    with pytest.raises(RuntimeError, match=r"tf\.function"):
+        msg.gradients(tf.constant(1.0), tf.constant(2.0))
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(ValueError, match=r"'fast'.*\['collection', 'memory', 'speed'\]"):
+            msg.gradients(loss, ws, checkpoints="fast")
+
+
+def test_checkpoint_that_is_an_operation_says_which_output_to_pass():
+    with tf.Graph().as_default():
+        _, ws, hidden, loss = chain()
+        with pytest.raises(TypeError, match=r"Tanh_2.*operation.*outputs\[0\]"):
+            msg.gradients(loss, ws, checkpoints=[hidden[2].op])
+
+
+def test_checkpoint_names_resolve_and_unknown_names_fail():
+    with tf.Graph().as_default():
+        _, ws, hidden, loss = chain()
+        msg.gradients(loss, ws, checkpoints=[hidden[2].name])
+        assert_recomputes(tf1.get_default_graph())
+        with pytest.raises(TypeError, match="'nope:0'"):
+            msg.gradients(loss, ws, checkpoints=["nope:0"])
+
+
+def test_checkpoint_of_another_graph_is_rejected():
+    with tf.Graph().as_default():
+        elsewhere = tf.constant(1.0, name="elsewhere")
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(TypeError, match=r"elsewhere.*another graph"):
+            msg.gradients(loss, ws, checkpoints=[elsewhere])
+        with pytest.raises(TypeError, match="not a graph tensor"):
+            msg.gradients(loss, ws, checkpoints=[3.0])
+        with pytest.raises(TypeError, match="list of tensors"):
+            msg.gradients(loss, ws, checkpoints=42)
+
+
+def test_empty_collection_says_how_to_fill_it():
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(msg.NoCheckpointsError, match="add_checkpoint"):
+            msg.gradients(loss, ws)
+
+
+def test_speed_without_matmul_suggests_memory():
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3])
+        with pytest.raises(msg.NoCheckpointsError, match="'memory'"):
+            msg.gradients_speed(tf.reduce_sum(tf.tanh(tf.sin(x))), x)
+
+
+def test_unusable_checkpoints_are_logged_with_the_reason(caplog):
+    with tf.Graph().as_default():
+        x, ws, hidden, loss = chain()
+        off_path = tf.tanh(tf.ones([3]), name="off_path")
+        weight_read = hidden[0].op.inputs[0].op.inputs[1]
+        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+        with pytest.raises(msg.NoCheckpointsError, match="checkpoint list"):
+            msg.gradients(loss, ws, checkpoints=[off_path, x, weight_read])
+        assert "off_path:0: it is not between xs and ys" in caplog.text
+        assert "x:0: it is not between xs and ys" in caplog.text
+        assert f"{weight_read.name}: its op is never recomputed" in caplog.text
+
+
+def test_memory_falls_back_to_plain_gradients_on_tiny_graphs(caplog):
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [4, 8])
+        w = tf.Variable(np.ones((8, 8), np.float32))
+        loss = tf.reduce_sum(tf.matmul(x, w))
+        caplog.set_level(logging.INFO, logger="memory_saving_gradients")
+        got = msg.gradients_memory(loss, [w])
+        reference = tf1.gradients(loss, [w])
+        assert "plain gradients" in caplog.text
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_xs_of_another_graph_are_named():
+    with tf.Graph().as_default():
+        stranger = tf.constant(1.0, name="stranger")
+    with tf.Graph().as_default():
+        loss = chain()[-1]
+        with pytest.raises(ValueError, match="xs entry stranger"):
+            msg.gradients(loss, [stranger], checkpoints="memory")
+
+
+def test_grad_ys_count_must_match_ys():
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(ValueError, match="2 grad_ys for 1 ys"):
+            msg.gradients(loss, ws, grad_ys=[1.0, 2.0], checkpoints="memory")
+
+
+def test_sparse_ys_are_rejected():
+    with tf.Graph().as_default():
+        ws = chain()[1]
+        sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]))
+        with pytest.raises(TypeError, match="dense tensors"):
+            msg.gradients(sparse, ws, checkpoints="memory")
+
+
+@pytest.mark.parametrize("unconnected", ["none", "zero"])
+def test_unconnected_xs_like_tf_gradients(unconnected):
+    with tf.Graph().as_default():
+        x, ws, hidden, loss = chain()
+        lonely = tf.Variable(np.ones((2, 3), np.float32), name="lonely")
+        xs = [*ws, lonely, lonely.handle]
+        reference = tf1.gradients(loss, xs, unconnected_gradients=unconnected)
+        got = msg.gradients(loss, xs, checkpoints=hidden[::2], unconnected_gradients=unconnected)
+        assert (got[-1] is None) == (unconnected == "none")
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_stop_gradients_inside_a_recomputed_segment():
+    with tf.Graph().as_default():
+        x, ws, hidden, loss = chain()
+        stops = [hidden[1], hidden[4]]
+        reference = tf1.gradients(loss, ws, stop_gradients=stops)
+        got = msg.gradients(loss, ws, checkpoints=[hidden[2]], stop_gradients=stops)
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_stop_gradients_on_a_checkpoint():
+    with tf.Graph().as_default():
+        x, ws, hidden, loss = chain()
+        reference = tf1.gradients(loss, ws, stop_gradients=[hidden[3]])
+        got = msg.gradients(loss, ws, checkpoints=[hidden[3]], stop_gradients=[hidden[3]])
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"gate_gradients": True},
+        {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE},
+        {"colocate_gradients_with_ops": False},
+        {"name": "my_gradients"},
+    ],
+)
+def test_tf_gradients_options_pass_through(options):
+    with tf.Graph().as_default():
+        x, ws, hidden, loss = chain()
+        reference = tf1.gradients(loss, ws, **options)
+        got = msg.gradients(loss, ws, checkpoints=hidden[1::2], **options)
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_duplicate_xs_get_the_same_gradient():
+    with tf.Graph().as_default():
+        x, ws, _, loss = chain()
+        reference = tf1.gradients(loss, [ws[0], ws[1], ws[0]])
+        got = msg.gradients(loss, [ws[0], ws[1], ws[0]], checkpoints="memory")
+        assert got[0] is got[2]
+        assert_same_gradients(*evaluate([reference, got], x))

@@ -1,0 +1,128 @@
+"""Each TensorFlow private API in `memory_saving_gradients._tf` still does what we rely on.
+
+When a TensorFlow release changes one of them, the test named after it fails here first.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.training import optimizer as v1_optimizer
+
+from memory_saving_gradients import _tf
+
+tf1 = tf.compat.v1
+
+
+def run(fetches, feed_dict=None):
+    with tf1.Session() as session:
+        session.run(tf1.global_variables_initializer())
+        return session.run(fetches, feed_dict)
+
+
+def test_copy_op_keeps_type_attributes_device_shapes_and_value():
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, [None, 3])
+        with tf.device("/cpu:0"):
+            y = tf.nn.leaky_relu(x, alpha=0.3, name="act")
+        with tf.device("/cpu:0"), tf1.colocate_with(x.op), tf1.control_dependencies([y.op]):
+            copy = _tf.copy_op(y.op, [x], name="copies/act")
+        assert copy.type == y.op.type
+        assert copy.name == "copies/act"
+        assert copy.get_attr("alpha") == pytest.approx(0.3)
+        assert copy.device == y.op.device
+        assert copy.control_inputs == []
+        assert copy.colocation_groups() == [b"loc:@copies/act"]
+        assert copy.outputs[0].shape.as_list() == [None, 3]
+        assert _tf.copy_op(y.op, [x], name="copies/act").name == "copies/act_1"
+        value = np.array([[-1.0, 0.0, 2.0]], np.float32)
+        original, copied = run([y, copy.outputs[0]], {x: value})
+        np.testing.assert_array_equal(original, copied)
+        assert graph.get_operation_by_name("copies/act") is copy
+
+
+def test_copy_op_keeps_the_gradient_override_of_custom_gradients():
+    with tf.Graph().as_default():
+        x = tf.constant([1.0, 2.0])
+
+        @tf.custom_gradient
+        def times_two_with_gradient_seven(v):
+            return 2 * v, lambda dy: 7 * dy
+
+        y = times_two_with_gradient_seven(x)
+        copy = _tf.copy_op(y.op, list(y.op.inputs), name="copy")
+        gradient = tf1.gradients(copy.outputs[0], x)[0]
+        np.testing.assert_array_equal(run(gradient), [7.0, 7.0])
+
+
+def test_add_control_inputs_skips_existing_ones():
+    with tf.Graph().as_default():
+        a, b = tf.constant(1.0), tf.constant(2.0)
+        with tf1.control_dependencies([a.op]):
+            c = tf.identity(b)
+        _tf.add_control_inputs(c.op, [a.op, b.op])
+        assert c.op.control_inputs == [a.op, b.op]
+
+
+def test_is_stateful():
+    with tf.Graph().as_default():
+        assert _tf.is_stateful(tf.random.uniform([2]).op)
+        handle = tf.Variable(1.0).handle
+        assert _tf.is_stateful(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32).op)
+        assert not _tf.is_stateful(tf.tanh(tf.constant(1.0)).op)
+
+
+def test_in_v1_control_flow():
+    tf1.disable_control_flow_v2()
+    try:
+        with tf.Graph().as_default():
+            result = tf1.while_loop(lambda i: i < 3, lambda i: tf.tanh(i) + 1.0, [0.0])
+            body_ops = [op for op in tf1.get_default_graph().get_operations() if "Tanh" in op.name]
+            assert body_ops and all(_tf.in_v1_control_flow(op) for op in body_ops)
+            assert not _tf.in_v1_control_flow(tf.identity(result).op)
+    finally:
+        tf1.enable_control_flow_v2()
+
+
+def test_tensorflow_gradients_is_tensorflows_own_even_while_patched(monkeypatch):
+    def broken(*args, **kwargs):
+        raise AssertionError("the patched function must not be reached")
+
+    for point in _tf.GRADIENT_ENTRY_POINTS:
+        monkeypatch.setattr(point.module, point.attribute, broken)
+    with tf.Graph().as_default():
+        x = tf.constant([1.0, 2.0])
+        unused = tf.constant(3.0)
+        y = tf.reduce_sum(x * x)
+        gradients = _tf.tensorflow_gradients(
+            [y], [x, unused], None, name="g", colocate_gradients_with_ops=True,
+            gate_gradients=False, aggregation_method=None, stop_gradients=[],
+        )  # fmt: skip
+        assert gradients[1] is None
+        np.testing.assert_array_equal(run(gradients[0]), [2.0, 4.0])
+
+
+def test_zero_gradient_of_a_resource_handle_has_the_variable_shape():
+    with tf.Graph().as_default():
+        variable = tf.Variable(np.ones((2, 3), np.float32))
+        np.testing.assert_array_equal(run(_tf.zero_gradient(variable.handle)), np.zeros((2, 3)))
+
+
+def test_sum_gradients_adds_dense_and_concatenates_sparse():
+    with tf.Graph().as_default():
+        dense = _tf.sum_gradients([tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])])
+        sparse = _tf.sum_gradients(
+            [
+                tf.IndexedSlices(tf.constant([[1.0]]), tf.constant([0]), tf.constant([3, 1])),
+                tf.IndexedSlices(tf.constant([[2.0]]), tf.constant([2]), tf.constant([3, 1])),
+            ]
+        )
+        assert isinstance(sparse, tf.IndexedSlices)
+        dense_value, indices = run([dense, sparse.indices])
+        np.testing.assert_array_equal(dense_value, [4.0, 6.0])
+        np.testing.assert_array_equal(indices, [0, 2])
+
+
+def test_gradient_entry_points_hold_tensorflows_functions():
+    for point in _tf.GRADIENT_ENTRY_POINTS:
+        assert getattr(point.module, point.attribute) is point.original, point
+    assert v1_optimizer.gradients is _tf.GRADIENT_ENTRY_POINTS[-1].module
