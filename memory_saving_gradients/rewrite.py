@@ -9,9 +9,11 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
 2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
    of earlier levels. From the last level back, each level's segment is copied, and the
    copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
-   reads no other copy waits (control input) for those incoming gradients, so the executor
-   recomputes a segment only when backprop reaches it. The waits also keep TensorFlow's common
-   subexpression elimination from merging a copy with its original.
+   reads no other copy waits (control input) for those incoming gradients and for every
+   gradient of the segment differentiated before, so the executor recomputes a segment only
+   once the one after it is done and its activations are freed, whatever order it picks for
+   ready ops. The waits also keep TensorFlow's common subexpression elimination from merging
+   a copy with its original.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
 
 Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
@@ -108,7 +110,7 @@ def checkpointed_gradients(
     graph_ = view.ys[0].graph
     with graph_.name_scope(options.name) as scope:
         ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
-        _differentiate(view.ys, grad_ys, ys_segment.frontier, {}, view, options, sums)
+        done = _differentiate(view.ys, grad_ys, ys_segment.frontier, {}, view, options, sums)
         for depth, level in enumerate(reversed(levels)):
             reached = [
                 t
@@ -125,9 +127,9 @@ def checkpointed_gradients(
                 scope=f"{scope}recompute_{depth}/",
             )
             incoming = [sums.total(t) for t in reached]
-            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming))
+            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming + done))
             copied = [copies[t.op].outputs[t.value_index] for t in reached]
-            _differentiate(copied, incoming, segment.frontier, copies, view, options, sums)
+            done = _differentiate(copied, incoming, segment.frontier, copies, view, options, sums)
 
     return [sums.total(x) if sums.has(x) else None for x in view.xs]
 
@@ -171,8 +173,11 @@ def _differentiate(
     view: ForwardView,
     options: GradientOptions,
     sums: _GradientSums,
-) -> None:
-    """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, adding to `sums`."""
+) -> list[Gradient]:
+    """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, adding to `sums`.
+
+    Returns the gradients it made: once they exist, this segment's backward pass is over.
+    """
     targets = [*frontier, *view.xs]
     copied_stops = [
         copies[t.op].outputs[t.value_index] for t in options.stop_gradients if t.op in copies
@@ -181,6 +186,7 @@ def _differentiate(
     gradients = _tensorflow_gradients(ys, targets, grad_ys, stops, options, name="segment")
     for target, gradient in zip(targets, gradients, strict=True):
         sums.add(target, gradient)
+    return [g for g in gradients if g is not None]
 
 
 def _tensorflow_gradients(

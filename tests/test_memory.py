@@ -1,9 +1,12 @@
 """Peak memory of checkpointed gradients, in units of 1 MB tensors (250,000 float32).
 
-Each measurement runs one warm-up step and one measured step in a fresh Session with one
-inter-op thread, and reports the allocator's peak minus what was resident before the step
-(`memory_saving_gradients.profiling.peak_memory`). The chains start from a variable, so
-constant folding cannot precompute them.
+Each measurement runs a warm-up step, then three measured steps in a fresh Session with its
+own single inter-op thread (`use_per_session_threads`: otherwise the first Session of the
+process fixes the thread count for every later one). It reports the smallest of their peaks
+minus what was resident before the step (`memory_saving_gradients.profiling.peak_memory`):
+TensorFlow's executor may order ready ops differently from one step to the next, which can
+keep one more tensor alive. The chains start from a variable, so constant folding cannot
+precompute them.
 
 On a chain of n tanh ops, plain backprop holds every tanh output: n MB. With a checkpoint
 every k ops, it holds the n/k - 1 checkpoints plus one segment of k recomputed outputs, less
@@ -41,10 +44,11 @@ def step_peak_mb(build) -> float:
     with tf.Graph().as_default() as graph:
         fetch = build()
         init = tf1.global_variables_initializer()
-    config = tf1.ConfigProto(inter_op_parallelism_threads=1)
+    config = tf1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
     with tf1.Session(graph=graph, config=config) as session:
         session.run(init)
-        return peak_memory(lambda: session.run(fetch)) / 1e6
+        session.run(fetch)
+        return min(peak_memory(lambda: session.run(fetch), warmup=0) for _ in range(3)) / 1e6
 
 
 def chain_gradient_peak_mb(n: int, checkpoints, residual: bool = False) -> float:
