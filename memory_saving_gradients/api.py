@@ -98,7 +98,8 @@ def gradients(
         view = ForwardView.build(ys_list, unique_xs)
         chosen = select_checkpoints(view, checkpoints)
         if chosen:
-            logger.info("Checkpointing %d tensors: %s", len(chosen), [t.name for t in chosen])
+            logger.info("Checkpointing %d tensors.", len(chosen))
+            logger.debug("Checkpoints: %s", [t.name for t in chosen])
             grads = checkpointed_gradients(view, chosen, grad_ys_list, options)
         else:
             logger.info("No checkpoints chosen: computing plain gradients.")

@@ -9,11 +9,9 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
 2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
    of earlier levels. From the last level back, each level's segment is copied, and the
    copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
-   reads no other copy waits (control input) for those incoming gradients and for every
-   gradient of the segment differentiated before, so the executor recomputes a segment only
-   once the one after it is done and its activations are freed, whatever order it picks for
-   ready ops. The waits also keep TensorFlow's common subexpression elimination from merging
-   a copy with its original.
+   reads no other copy waits (control input) for those incoming gradients, so the executor
+   recomputes a segment only when backprop reaches it. The waits also keep TensorFlow's
+   common subexpression elimination from merging a copy with its original.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
 
 Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
@@ -68,24 +66,44 @@ class _Segment:
         return _Segment(self.ops | other.ops, tuple(frontier.values()))
 
 
-class _GradientSums:
-    """Gradient parts received per tensor, summed once when first read."""
+class _Backprop:
+    """One checkpointed backward pass: TensorFlow's gradient calls and the parts they return."""
 
-    def __init__(self) -> None:
+    def __init__(self, view: ForwardView, options: GradientOptions) -> None:
+        self.view = view
+        self.options = options
         self._parts: dict[object, list[Gradient]] = {}
 
-    def add(self, tensor: tf.Tensor, gradient: Gradient | None) -> None:
-        if gradient is not None:
-            self._parts.setdefault(tensor.ref(), []).append(gradient)
-
-    def has(self, tensor: tf.Tensor) -> bool:
+    def has_gradient(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self._parts
 
-    def total(self, tensor: tf.Tensor) -> Gradient:
+    def gradient(self, tensor: tf.Tensor) -> Gradient:
+        """Every part received for `tensor`, summed once when first read."""
         parts = self._parts[tensor.ref()]
         if len(parts) > 1:
             parts[:] = [_tf.sum_gradients(parts)]
         return parts[0]
+
+    def differentiate(
+        self,
+        ys: Sequence[tf.Tensor],
+        grad_ys: Sequence[Gradient | None] | None,
+        frontier: Sequence[tf.Tensor],
+        copies: dict[tf.Operation, tf.Operation],
+    ) -> None:
+        """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, keeping the parts.
+
+        The user's stop_gradients stop their copies too.
+        """
+        user_stops = self.options.stop_gradients
+        copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
+        targets = [*frontier, *self.view.xs]
+        gradients = _tensorflow_gradients(
+            ys, targets, grad_ys, [*frontier, *user_stops, *copied_stops], self.options, "segment"
+        )
+        for target, gradient in zip(targets, gradients, strict=True):
+            if gradient is not None:
+                self._parts.setdefault(target.ref(), []).append(gradient)
 
 
 def checkpointed_gradients(
@@ -105,19 +123,18 @@ def checkpointed_gradients(
     segments = {op: _Segment.behind([op], view, is_boundary) for op in boundary_ops}
     levels = list(toposort({op: {t.op for t in s.frontier} for op, s in segments.items()}))
     user_stopped = {t.op for t in options.stop_gradients}
-    sums = _GradientSums()
+    backprop = _Backprop(view, options)
 
-    graph_ = view.ys[0].graph
-    with graph_.name_scope(options.name) as scope:
+    with view.ys[0].graph.name_scope(options.name) as scope:
         ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
-        done = _differentiate(view.ys, grad_ys, ys_segment.frontier, {}, view, options, sums)
+        backprop.differentiate(view.ys, grad_ys, ys_segment.frontier, {})
         for depth, level in enumerate(reversed(levels)):
             reached = [
                 t
                 for op in level
                 if op not in user_stopped
                 for t in op.outputs
-                if is_boundary(t) and sums.has(t)
+                if is_boundary(t) and backprop.has_gradient(t)
             ]
             if not reached:
                 continue
@@ -126,12 +143,21 @@ def checkpointed_gradients(
                 sorted(segment.ops, key=view.position.__getitem__),
                 scope=f"{scope}recompute_{depth}/",
             )
-            incoming = [sums.total(t) for t in reached]
-            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming + done))
+            incoming = [backprop.gradient(t) for t in reached]
+            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming))
             copied = [copies[t.op].outputs[t.value_index] for t in reached]
-            done = _differentiate(copied, incoming, segment.frontier, copies, view, options, sums)
+            backprop.differentiate(copied, incoming, segment.frontier, copies)
 
-    return [sums.total(x) if sums.has(x) else None for x in view.xs]
+    return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+
+
+def plain_gradients(
+    view: ForwardView, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
+) -> list[Gradient | None]:
+    """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
+    return _tensorflow_gradients(
+        view.ys, view.xs, grad_ys, options.stop_gradients, options, options.name
+    )
 
 
 def _boundaries(view: ForwardView, tensors: Sequence[tf.Tensor]) -> dict[object, tf.Tensor]:
@@ -156,42 +182,7 @@ def _ops_of(gradients: Sequence[Gradient]) -> list[tf.Operation]:
     return list({t.op: None for t in tensors})
 
 
-def plain_gradients(
-    view: ForwardView, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
-) -> list[Gradient | None]:
-    """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
-    return _tensorflow_gradients(
-        view.ys, view.xs, grad_ys, options.stop_gradients, options, name=options.name
-    )
-
-
-def _differentiate(
-    ys: Sequence[tf.Tensor],
-    grad_ys: Sequence[Gradient | None] | None,
-    frontier: Sequence[tf.Tensor],
-    copies: dict[tf.Operation, tf.Operation],
-    view: ForwardView,
-    options: GradientOptions,
-    sums: _GradientSums,
-) -> list[Gradient]:
-    """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, adding to `sums`.
-
-    Returns the gradients it made: once they exist, this segment's backward pass is over.
-    """
-    targets = [*frontier, *view.xs]
-    copied_stops = [
-        copies[t.op].outputs[t.value_index] for t in options.stop_gradients if t.op in copies
-    ]
-    stops = [*frontier, *options.stop_gradients, *copied_stops]
-    gradients = _tensorflow_gradients(ys, targets, grad_ys, stops, options, name="segment")
-    for target, gradient in zip(targets, gradients, strict=True):
-        sums.add(target, gradient)
-    return [g for g in gradients if g is not None]
-
-
-def _tensorflow_gradients(
-    ys, xs, grad_ys, stop_gradients, options: GradientOptions, *, name: str
-) -> list:
+def _tensorflow_gradients(ys, xs, grad_ys, stop_gradients, options: GradientOptions, name: str):
     return _tf.tensorflow_gradients(
         list(ys),
         list(xs),
