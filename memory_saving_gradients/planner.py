@@ -41,6 +41,10 @@ GRADIENT_READS_NOTHING = frozenset(
 
 #: Budgets tried between the largest single op and the whole forward pass.
 BUDGETS_TRIED = 48
+#: Among cuts of equal size, prefer those made of tensors backprop would not hold anyway (a
+#: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
+#: while a held one (the tanh output) lives on until its readers' gradients are done.
+TIE_BREAK = -1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +59,14 @@ class Plan:
 def plan_checkpoints(view: ForwardView) -> Plan:
     """The cuts of `view` that give the smallest estimated peak; none if cutting does not pay."""
     order = [op for op in view.ops if op in view.recomputable]
-    held, cut_bytes, lifetimes = _costs(view, order)
+    held, cut_bytes, unheld_cut_bytes, lifetimes = _costs(view, order)
     plain_peak = int(held.sum())
     best_cuts: list[int] = []
     best_peak = plain_peak
     if len(order) > 1:
         smallest = max(held.max(), 1.0)
         for budget in np.geomspace(smallest, max(plain_peak, smallest), BUDGETS_TRIED):
-            cuts = _cheapest_cuts(held, cut_bytes, budget)
+            cuts = _cheapest_cuts(held, cut_bytes + TIE_BREAK * unheld_cut_bytes, budget)
             peak = _estimated_peak(held, cut_bytes, cuts)
             if peak < best_peak:
                 best_cuts, best_peak = cuts, peak
@@ -84,7 +88,8 @@ def _held_for_backward(op: tf.Operation, readers: list[tf.Operation]) -> bool:
 
 
 def _costs(view: ForwardView, order: list[tf.Operation]):
-    """Bytes each op's outputs hold for backprop, bytes alive across each cut, tensor lifetimes.
+    """Bytes each op's outputs hold for backprop; bytes alive across each cut, all and those
+    backprop would not hold anyway; tensor lifetimes.
 
     Cut `i` lies between `order[i]` and `order[i + 1]`. A lifetime is (tensor, index of its
     producer, index of its last reader); the view's ys live to the end.
@@ -95,6 +100,7 @@ def _costs(view: ForwardView, order: list[tf.Operation]):
     end = len(order) - 1
     held = np.zeros(len(order))
     alive_delta = np.zeros(len(order) + 1)
+    unheld_delta = np.zeros(len(order) + 1)
     lifetimes = []
     for i, op in enumerate(order):
         for tensor in op.outputs:
@@ -102,17 +108,18 @@ def _costs(view: ForwardView, order: list[tf.Operation]):
                 continue
             readers = view.consumers(tensor)
             size = graph.size_in_bytes(tensor)
-            if _held_for_backward(op, readers):
-                held[i] += size
+            is_held = _held_for_backward(op, readers)
+            held[i] += size * is_held
             last_read = max((position[r] for r in readers if r in position), default=i)
             if tensor.ref() in ys:
                 last_read = end
             if last_read > i:
                 alive_delta[i] += size
                 alive_delta[last_read] -= size
+                unheld_delta[i] += size * (not is_held)
+                unheld_delta[last_read] -= size * (not is_held)
                 lifetimes.append((tensor, i, last_read))
-    cut_bytes = np.cumsum(alive_delta)[:end]
-    return held, cut_bytes, lifetimes
+    return held, np.cumsum(alive_delta)[:end], np.cumsum(unheld_delta)[:end], lifetimes
 
 
 def _cheapest_cuts(held: np.ndarray, cut_bytes: np.ndarray, budget: float) -> list[int]:

@@ -86,3 +86,19 @@ def test_dense_skip_connections_still_get_a_plan_and_exact_gradients():
             session.run(tf1.global_variables_initializer())
             values = session.run([reference, got], {x: np.ones((8, 16), np.float32)})
     assert_same_gradients(*values)
+
+
+def test_equal_cuts_prefer_tensors_backprop_would_not_hold():
+    """A matmul output read only by a tanh dies once recomputation passes it; the tanh output
+    would live on for the next matmul's gradient. Both cuts are one tensor."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [8, 32])
+        h = x
+        for i in range(25):
+            h = tf.tanh(tf.matmul(h, tf.Variable(tf.eye(32), name=f"w{i}")))
+        weights = tf1.trainable_variables()
+        plan = planner.plan_checkpoints(
+            ForwardView.build([tf.reduce_sum(h)], [w.handle for w in weights])
+        )
+    assert plan.checkpoints
+    assert {t.op.type for t in plan.checkpoints} == {"MatMul"}
