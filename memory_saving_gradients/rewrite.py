@@ -9,9 +9,13 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
 2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
    of earlier levels. From the last level back, each level's segment is copied, and the
    copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
-   reads no other copy waits (control input) for those incoming gradients, so the executor
-   recomputes a segment only when backprop reaches it. The waits also keep TensorFlow's
-   common subexpression elimination from merging a copy with its original.
+   reads no other copy waits (control input) for every gradient of the segment differentiated
+   before (those incoming gradients included), so the executor recomputes a segment only once
+   backprop is through the one before and has freed it. Waiting for the incoming gradients
+   alone is not enough: gradients nothing else waits for (a weight's, a bias's) may stay
+   queued until the end of the backward pass, holding every tensor they read (seen with one
+   inter-op thread, and with two tf.distribute replicas sharing two cores). The waits also
+   keep TensorFlow's common subexpression elimination from merging a copy with its original.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
 
 Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
@@ -90,10 +94,10 @@ class _Backprop:
         grad_ys: Sequence[Gradient | None] | None,
         frontier: Sequence[tf.Tensor],
         copies: dict[tf.Operation, tf.Operation],
-    ) -> None:
+    ) -> list[Gradient]:
         """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, keeping the parts.
 
-        The user's stop_gradients stop their copies too.
+        The user's stop_gradients stop their copies too. Returns the parts found.
         """
         user_stops = self.options.stop_gradients
         copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
@@ -104,6 +108,7 @@ class _Backprop:
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.ref(), []).append(gradient)
+        return [g for g in gradients if g is not None]
 
 
 def checkpointed_gradients(
@@ -127,7 +132,7 @@ def checkpointed_gradients(
 
     with view.ys[0].graph.name_scope(options.name) as scope:
         ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
-        backprop.differentiate(view.ys, grad_ys, ys_segment.frontier, {})
+        previous = backprop.differentiate(view.ys, grad_ys, ys_segment.frontier, {})
         for depth, level in enumerate(reversed(levels)):
             reached = [
                 t
@@ -144,9 +149,9 @@ def checkpointed_gradients(
                 scope=f"{scope}recompute_{depth}/",
             )
             incoming = [backprop.gradient(t) for t in reached]
-            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming))
+            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming + previous))
             copied = [copies[t.op].outputs[t.value_index] for t in reached]
-            backprop.differentiate(copied, incoming, segment.frontier, copies)
+            previous = backprop.differentiate(copied, incoming, segment.frontier, copies)
 
     return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
 

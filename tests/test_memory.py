@@ -124,3 +124,42 @@ def test_patched_optimizer_minimize_saves_memory():
     # optimizer step holds a few MB of gradient temporaries on top of the activations.
     assert step_peak_mb(train_step) == pytest.approx(n + 2, abs=SLACK_MB)
     assert step_peak_mb(with_patch) == pytest.approx(2 * math.sqrt(n) - 1, abs=SLACK_MB)
+
+
+def dense_bias_chain_peak(n: int, checkpoints) -> float:
+    """Peak of a chain of n tanh(h @ w + b) layers, in activations (batch 2048, width 128).
+
+    Each layer's weight and bias gradients read its input activation and are ready as soon as
+    backprop passes the layer, but nothing else waits for them: with one inter-op thread the
+    executor may leave them queued until the end of the backward pass, holding every
+    activation they read. Recomputation must wait for them, or it saves nothing.
+    """
+    batch, width = 2048, 128
+
+    def build():
+        rng = np.random.default_rng(0)
+        weights = [
+            tf.Variable(rng.standard_normal((width, width)).astype("f4") * 0.1) for _ in range(n)
+        ]
+        biases = [tf.Variable(np.zeros(width, "f4")) for _ in range(n)]
+        h = tf.Variable(rng.standard_normal((batch, width)).astype("f4"), trainable=False)
+        h = h.read_value()
+        for w, b in zip(weights, biases, strict=True):
+            h = tf.tanh(tf.nn.bias_add(tf.matmul(h, w), b))
+        loss = tf.reduce_sum(h * h)
+        variables = [*weights, *biases]
+        if checkpoints is None:
+            grads = tf1.gradients(loss, variables)
+        else:
+            grads = msg.gradients(loss, variables, checkpoints=checkpoints)
+        return tf.group([v.assign_sub(0.01 * g) for v, g in zip(variables, grads, strict=True)])
+
+    return step_peak_mb(build) / (batch * width * 4 / 1e6)
+
+
+def test_recomputation_waits_for_the_weight_gradients_of_the_segment_before():
+    n = 16
+    plain = dense_bias_chain_peak(n, None)
+    checkpointed = dense_bias_chain_peak(n, "memory")
+    assert plain >= n
+    assert checkpointed < 0.5 * plain, (checkpointed, plain)
