@@ -16,10 +16,12 @@ import tensorflow as tf
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
+    control_flow_util,
     default_gradient,
     gradients_impl,
     gradients_util,
     handle_data_util,
+    resource_variable_ops,
 )
 from tensorflow.python.ops import gradients as gradients_module
 
@@ -67,9 +69,21 @@ def is_stateful(op: tf.Operation) -> bool:
     return op._is_stateful
 
 
+def is_resource_variable(value: object) -> bool:
+    """Whether `value` is differentiated through its resource handle, as `tf.GradientTape` does:
+    `tf.Variable`, distributed variables, Keras 3 variables and other variable-like objects."""
+    return resource_variable_ops.is_resource_variable(value)
+
+
 def in_v1_control_flow(op: tf.Operation) -> bool:
     """Whether `op` lives inside a TF1 while loop or cond (Switch/Merge frames)."""
     return op._get_control_flow_context() is not None
+
+
+def compiled_by_xla(graph: tf.Graph) -> bool:
+    """Whether `graph` (or a graph it is nested in) is being built for XLA compilation, as in
+    `tf.function(jit_compile=True)`."""
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
 def tensorflow_gradients(

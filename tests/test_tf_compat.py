@@ -126,3 +126,34 @@ def test_gradient_entry_points_hold_tensorflows_functions():
     for point in _tf.GRADIENT_ENTRY_POINTS:
         assert getattr(point.module, point.attribute) is point.original, point
     assert v1_optimizer.gradients is _tf.GRADIENT_ENTRY_POINTS[-1].module
+
+
+def test_is_resource_variable_knows_tensorflow_keras_and_distributed_variables():
+    import keras
+
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        distributed = tf.Variable(1.0)
+    assert _tf.is_resource_variable(tf.Variable(1.0))
+    assert _tf.is_resource_variable(keras.Variable(1.0))
+    assert _tf.is_resource_variable(distributed)
+    assert not _tf.is_resource_variable(tf.constant(1.0))
+    assert not _tf.is_resource_variable(np.float32(1.0))
+
+
+def test_compiled_by_xla_sees_jit_compile_only():
+    seen = {}
+
+    def record(jit_compile):
+        @tf.function(jit_compile=jit_compile)
+        def step(x):
+            seen[jit_compile] = _tf.compiled_by_xla(tf1.get_default_graph())
+            return x + 1.0
+
+        step(tf.constant(1.0))
+
+    for jit_compile in (None, False, True):
+        record(jit_compile)
+    with tf.Graph().as_default() as graph:
+        seen["session"] = _tf.compiled_by_xla(graph)
+    assert seen == {None: False, False: False, True: True, "session": False}
