@@ -9,13 +9,17 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
 2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
    of earlier levels. From the last level back, each level's segment is copied, and the
    copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
-   reads no other copy waits (control input) for every gradient of the segment differentiated
-   before (those incoming gradients included), so the executor recomputes a segment only once
-   backprop is through the one before and has freed it. Waiting for the incoming gradients
-   alone is not enough: gradients nothing else waits for (a weight's, a bias's) may stay
-   queued until the end of the backward pass, holding every tensor they read (seen with one
-   inter-op thread, and with two tf.distribute replicas sharing two cores). The waits also
-   keep TensorFlow's common subexpression elimination from merging a copy with its original.
+   reads no other copy waits (control input) for those incoming gradients, so the executor
+   recomputes a segment only when backprop reaches it, and for the xs' gradient parts of the
+   segment differentiated before, so those are done and free what they read. Without the
+   latter, parts nothing else waits for (a weight's, a bias's) may stay queued until the end
+   of the backward pass, holding every tensor they read (seen with one inter-op thread, and
+   with two tf.distribute replicas sharing two cores). Parts computed from the incoming
+   gradients are not waited for: they hold nothing the segment does not hold anyway, and
+   with oneDNN on, TensorFlow's graph optimizations merge such a part into this segment's op
+   reading the same gradient (a convolution's bias gradient into its filter gradient), which
+   turns the wait into a cycle. The waits also keep TensorFlow's common subexpression
+   elimination from merging a copy with its original.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
 
 Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
@@ -70,6 +74,28 @@ class _Segment:
         return _Segment(self.ops | other.ops, tuple(frontier.values()))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """The xs' gradient parts one segment's backprop found, and the ops it made for them."""
+
+    gradients: list[Gradient]
+    made: frozenset[tf.Operation]
+
+    def not_computed_from(self, incoming: Sequence[Gradient]) -> list[tf.Operation]:
+        """The parts' ops that do not read, directly or through other ops made for these
+        parts, any of the `incoming` gradients."""
+        arriving = {t.ref() for t in tf.nest.flatten(list(incoming), expand_composites=True)}
+        return [
+            op
+            for op in _ops_of(self.gradients)
+            if not any(
+                t.ref() in arriving
+                for ancestor in graph.backward_ops([op], within=self.made)
+                for t in ancestor.inputs
+            )
+        ]
+
+
 class _Backprop:
     """One checkpointed backward pass: TensorFlow's gradient calls and the parts they return."""
 
@@ -94,21 +120,24 @@ class _Backprop:
         grad_ys: Sequence[Gradient | None] | None,
         frontier: Sequence[tf.Tensor],
         copies: dict[tf.Operation, tf.Operation],
-    ) -> list[Gradient]:
+    ) -> _Parts:
         """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, keeping the parts.
 
-        The user's stop_gradients stop their copies too. Returns the parts found.
+        The user's stop_gradients stop their copies too. Returns the xs' parts found.
         """
         user_stops = self.options.stop_gradients
         copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
         targets = [*frontier, *self.view.xs]
+        graph_ = ys[0].graph
+        first_new = len(graph_.get_operations())
         gradients = _tensorflow_gradients(
             ys, targets, grad_ys, [*frontier, *user_stops, *copied_stops], self.options, "segment"
         )
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.ref(), []).append(gradient)
-        return [g for g in gradients if g is not None]
+        xs_parts = [g for g in gradients[len(frontier) :] if g is not None]
+        return _Parts(xs_parts, frozenset(graph_.get_operations()[first_new:]))
 
 
 def checkpointed_gradients(
@@ -149,7 +178,10 @@ def checkpointed_gradients(
                 scope=f"{scope}recompute_{depth}/",
             )
             incoming = [backprop.gradient(t) for t in reached]
-            editor.add_control_inputs(_first_copies(copies), wait_for=_ops_of(incoming + previous))
+            editor.add_control_inputs(
+                _first_copies(copies),
+                wait_for=[*_ops_of(incoming), *previous.not_computed_from(incoming)],
+            )
             copied = [copies[t.op].outputs[t.value_index] for t in reached]
             previous = backprop.differentiate(copied, incoming, segment.frontier, copies)
 
