@@ -2,6 +2,7 @@
 
     import memory_saving_gradients as msg
     grads = msg.gradients(loss, variables, checkpoints="memory")   # in place of tf.gradients
+    with msg.GradientTape(checkpoints="memory") as tape: ...       # in place of tf.GradientTape
     msg.patch("memory")   # or: every tf.gradients / Optimizer.minimize call checkpoints
 
 Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
@@ -19,11 +20,13 @@ from memory_saving_gradients.strategies import (
     NoCheckpointsError,
     add_checkpoint,
 )
+from memory_saving_gradients.tape import GradientTape
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CHECKPOINTS_COLLECTION",
+    "GradientTape",
     "NoCheckpointsError",
     "add_checkpoint",
     "gradients",
