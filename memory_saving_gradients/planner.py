@@ -65,7 +65,8 @@ def plan_checkpoints(view: ForwardView) -> Plan:
     best_peak = plain_peak
     if len(order) > 1:
         smallest = max(held.max(), 1.0)
-        for budget in np.geomspace(smallest, max(plain_peak, smallest), BUDGETS_TRIED):
+        budgets = np.geomspace(smallest, max(plain_peak, smallest), BUDGETS_TRIED)
+        for budget in budgets.clip(min=smallest):  # geomspace may round below its start
             cuts = _cheapest_cuts(held, cut_bytes + TIE_BREAK * unheld_cut_bytes, budget)
             peak = _estimated_peak(held, cut_bytes, cuts)
             if peak < best_peak:

@@ -62,6 +62,16 @@ def gradients_in_function(model_fn, strategy: str, *, input_gradient=False):
     )
 
 
+def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
+    """Run lists of gradients in one step; None entries (unconnected xs) stay None."""
+    present = [[g for g in gradients if g is not None] for gradients in gradient_lists]
+    values = session.run(present, feed_dict)
+    return [
+        [None if g is None else next(found) for g in gradients]
+        for gradients, found in zip(gradient_lists, map(iter, values), strict=True)
+    ]
+
+
 def assert_recomputes(graph: tf.Graph) -> None:
     """Fail unless the checkpointed gradients copied some forward ops, so a test comparing
     them with tf.gradients compares a rewrite, not TensorFlow with itself."""

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_recomputes, assert_same_gradients
+from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
 
 tf1 = tf.compat.v1
 
@@ -23,15 +23,9 @@ def chain(n=6, width=8):
 
 
 def evaluate(fetches, x):
-    """Run nested lists of gradients; None entries (unconnected) stay None."""
-    present = [[g for g in group if g is not None] for group in fetches]
     with tf1.Session() as session:
         session.run(tf1.global_variables_initializer())
-        values = iter(session.run(present, {x: np.ones(x.shape, np.float32)}))
-    return [
-        [None if g is None else next(group_values) for g in group]
-        for group, group_values in zip(fetches, (iter(v) for v in values), strict=True)
-    ]
+        return run_with_nones(session, fetches, {x: np.ones(x.shape, np.float32)})
 
 
 def test_eager_call_says_to_use_a_graph():
