@@ -72,6 +72,13 @@ def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
     ]
 
 
+def recomputed_copies(graph: tf.Graph) -> list[tf.Operation]:
+    """The forward ops the rewrite copied, not the gradient ops TensorFlow names after them."""
+    return [
+        op for op in graph.get_operations() if "/recompute_" in op.name and "_grad/" not in op.name
+    ]
+
+
 def assert_recomputes(graph: tf.Graph) -> None:
     """Fail unless the checkpointed gradients copied some forward ops, so a test comparing
     them with tf.gradients compares a rewrite, not TensorFlow with itself."""
@@ -98,10 +105,12 @@ def assert_same_gradients(reference, got, rtol=1e-5) -> None:
         sparse = (tf.IndexedSlices, IndexedSlicesValue)
         assert isinstance(have, sparse) == isinstance(want, sparse), f"gradient {i} type"
         want, have = dense(want), dense(have)
+        wide = np.complex128 if np.iscomplexobj(want) else np.float64
+        want, have = want.astype(wide), have.astype(wide)
         scale = float(np.abs(want).max()) or 1.0
         np.testing.assert_allclose(
-            have.astype(np.float64),
-            want.astype(np.float64),
+            have,
+            want,
             rtol=rtol,
             atol=rtol * scale,
             err_msg=f"gradient {i}",

@@ -12,7 +12,12 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import _tf
-from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
+from tests.helpers import (
+    assert_recomputes,
+    assert_same_gradients,
+    recomputed_copies,
+    run_with_nones,
+)
 
 tf1 = tf.compat.v1
 WIDTH = 16
@@ -26,15 +31,8 @@ def weights(n, seed=0):
     ]
 
 
-def recomputed_ops(graph):
-    """The copies the rewrite made (not the gradient ops TensorFlow names after them)."""
-    return [
-        op for op in graph.get_operations() if "/recompute_" in op.name and "_grad/" not in op.name
-    ]
-
-
 def assert_nothing_stateful_recomputed(graph):
-    stateful = [op.name for op in recomputed_ops(graph) if _tf.is_stateful(op)]
+    stateful = [op.name for op in recomputed_copies(graph) if _tf.is_stateful(op)]
     assert not stateful, stateful
 
 
@@ -63,7 +61,7 @@ def test_random_ops_in_the_forward_pass(noise, strategy):
         got = msg.gradients(loss, ws, checkpoints=hidden[1::3] if strategy == "list" else strategy)
         assert_recomputes(graph)
         assert_nothing_stateful_recomputed(graph)
-        recomputed_types = {op.type for op in recomputed_ops(graph)}
+        recomputed_types = {op.type for op in recomputed_copies(graph)}
         if noise == "stateless":
             assert "StatelessRandomUniformV2" in recomputed_types
         with tf1.Session() as session:
@@ -154,7 +152,7 @@ def train_with_batch_norm(checkpointed: bool, steps: int = 3):
                     train_op = optimizer.minimize(loss)
             else:
                 train_op = optimizer.minimize(loss)
-        assert bool(recomputed_ops(graph)) == checkpointed
+        assert bool(recomputed_copies(graph)) == checkpointed
         assert_nothing_stateful_recomputed(graph)
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
