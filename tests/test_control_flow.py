@@ -10,7 +10,12 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
+from tests.helpers import (
+    assert_recomputes,
+    assert_same_gradients,
+    recomputed_copies,
+    run_with_nones,
+)
 
 tf1 = tf.compat.v1
 WIDTH = 8
@@ -83,6 +88,7 @@ def compare_in_session(build, checkpoints):
     for name, function in library_before.items():
         assert library_after[name] == function, name
     assert_same_gradients(*values)
+    return graph
 
 
 @pytest.mark.parametrize("flag", [1.0, -1.0], ids=["true_branch", "false_branch"])
@@ -182,3 +188,31 @@ def test_stop_gradient_regions():
 
     for checkpoints in (["before"], ["cond", "after"], PLACES["all"], "memory"):
         compare_in_session(build, checkpoints)
+
+
+@pytest.fixture
+def control_flow_v1():
+    tf1.disable_control_flow_v2()
+    yield
+    tf1.enable_control_flow_v2()
+
+
+@pytest.mark.parametrize("place", ["around", "memory", "speed"])
+def test_tf1_while_loop_and_cond_frames(control_flow_v1, place):
+    """TF1 control flow (Switch/Merge frames, a cycle through NextIteration): frame ops are
+    never copied, checkpoints around them still work."""
+
+    def build(ws, x):
+        h0 = layer(layer(x, ws[0]), ws[1])
+        _, looped = tf1.while_loop(
+            lambda i, a: i < 3, lambda i, a: (i + 1, layer(a, ws[2])), (0, h0)
+        )
+        chosen = tf1.cond(tf.reduce_sum(looped) > 0, lambda: layer(looped, ws[3]), lambda: looped)
+        h1 = layer(chosen, ws[4]) + h0
+        h2 = layer(layer(h1, ws[5]), ws[6])
+        return tf.reduce_sum(h2 * h2), {"before": h0, "cond": chosen, "after": h1, "late": h2}
+
+    graph = compare_in_session(build, PLACES.get(place, place))
+    copied_types = {op.type for op in recomputed_copies(graph)}
+    assert copied_types
+    assert not copied_types & {"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond"}
