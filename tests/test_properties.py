@@ -20,6 +20,8 @@ from tests.random_graphs import Program, Variables, build, programs
 
 tf1 = tf.compat.v1
 EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
+#: Values stay of order one, so terms that cancel (x - x) leave float32 round-off of order 1e-7.
+ROUND_OFF = 1e-6
 COMMON = {
     "deadline": None,
     "derandomize": not os.environ.get("MSG_PROPERTY_EXAMPLES"),
@@ -63,7 +65,7 @@ def test_random_graphs_in_a_session(program):
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             want, have = run_with_nones(session, [reference, got])
-    assert_same_gradients(want, have, rtol=1e-4)
+    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
 
 
 @settings(max_examples=max(EXAMPLES // 4, 10), **COMMON)
@@ -89,4 +91,4 @@ def test_random_graphs_in_a_tf_function(program):
 
     want = fill(results["reference"])
     have = fill(results["got"])
-    assert_same_gradients(want, have, rtol=1e-4)
+    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
