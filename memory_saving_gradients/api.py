@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf
+from memory_saving_gradients import _tf, inputs
 from memory_saving_gradients.rewrite import (
     GradientOptions,
     checkpointed_gradients,
@@ -71,44 +71,58 @@ def gradients(
       TypeError, ValueError: ys, xs, grad_ys or checkpoints are not usable; the message names
         the offending value.
     """
-    if tf.executing_eagerly():
-        raise RuntimeError(
-            "memory_saving_gradients.gradients rewrites a graph, and eager execution has none: "
-            "call it inside a tf.function (or a tf.compat.v1 Graph), or use tf.GradientTape "
-            "for eager gradients."
-        )
-    ys_list = _as_list(ys)
-    graph = _graph_of(ys_list)
-    with graph.as_default():
-        ys_list = [_as_graph_tensor(y, graph, "ys") for y in ys_list]
-        xs_list = [_as_graph_tensor(x, graph, "xs") for x in _as_list(xs)]
-        grad_ys_list = _check_grad_ys(grad_ys, ys_list)
+    inputs.check_graph_mode()
+    with inputs.graph_of(inputs.as_list(ys)).as_default():
+        args = inputs.parse(ys, xs, grad_ys, stop_gradients)
         options = GradientOptions(
             name=name,
             colocate_gradients_with_ops=colocate_gradients_with_ops,
             gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
-            stop_gradients=tuple(
-                _as_graph_tensor(t, graph, "stop_gradients")
-                for t in ([] if stop_gradients is None else _as_list(stop_gradients))
-            ),
+            stop_gradients=args.stop_gradients,
         )
-        unconnected = tf.UnconnectedGradients(unconnected_gradients)
-        unique_xs = list({x.ref(): x for x in xs_list}.values())
-        view = ForwardView.build(ys_list, unique_xs)
-        chosen = select_checkpoints(view, checkpoints)
-        if chosen:
-            logger.info("Checkpointing %d tensors.", len(chosen))
-            logger.debug("Checkpoints: %s", [t.name for t in chosen])
-            grads = checkpointed_gradients(view, chosen, grad_ys_list, options)
+        unique_xs = args.unique_xs
+        if args.xs_outside_graph:
+            logger.info(
+                "xs %s belong to a graph enclosing the function body of ys; only TensorFlow "
+                "follows captured values across that boundary: computing plain gradients.",
+                [x.name for x in args.xs_outside_graph],
+            )
+            grads = plain_gradients(args.ys, unique_xs, args.grad_ys, options)
         else:
-            logger.info("No checkpoints chosen: computing plain gradients.")
-            grads = plain_gradients(view, grad_ys_list, options)
+            grads = _checkpointed(args, unique_xs, checkpoints, options)
+        unconnected = tf.UnconnectedGradients(unconnected_gradients)
         by_x = {
             x.ref(): _fill_unconnected(x, g, unconnected)
             for x, g in zip(unique_xs, grads, strict=True)
         }
-        return [by_x[x.ref()] for x in xs_list]
+        return [by_x[x.ref()] for x in args.xs]
+
+
+def _checkpointed(args: inputs.Arguments, unique_xs, checkpoints, options) -> list:
+    view = ForwardView.build(args.ys, unique_xs)
+    _report_unreachable(view)
+    chosen = select_checkpoints(view, checkpoints)
+    if not chosen:
+        logger.info("No checkpoints chosen: computing plain gradients.")
+        return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
+    logger.info("Checkpointing %d tensors.", len(chosen))
+    logger.debug("Checkpoints: %s", [t.name for t in chosen])
+    return checkpointed_gradients(view, chosen, args.grad_ys, options)
+
+
+def _report_unreachable(view: ForwardView) -> None:
+    """xs that ys do not depend on get None, as from tf.gradients; say so, never silently."""
+    ys = {y.ref() for y in view.ys}
+    unreachable = [x.name for x in view.xs if not view.consumers(x) and x.ref() not in ys]
+    if len(unreachable) == len(view.xs):
+        logger.warning(
+            "ys do not depend on any of xs %s: every gradient is None (zeros with "
+            "unconnected_gradients='zero'). Check that the loss is computed from them.",
+            unreachable,
+        )
+    elif unreachable:
+        logger.info("ys do not depend on xs %s: their gradients are None.", unreachable)
 
 
 def _with_strategy(strategy: str):
@@ -128,45 +142,6 @@ def _with_strategy(strategy: str):
 gradients_speed = _with_strategy("speed")
 gradients_memory = _with_strategy("memory")
 gradients_collection = _with_strategy("collection")
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _graph_of(ys: list) -> tf.Graph:
-    """The graph ys live in: that of the first graph tensor, else the default graph."""
-    for y in ys:
-        if isinstance(y, tf.Tensor) and hasattr(y, "graph"):
-            return y.graph
-    return tf.compat.v1.get_default_graph()
-
-
-def _as_graph_tensor(value, graph: tf.Graph, what: str) -> tf.Tensor:
-    """`value` as a tensor of `graph` (a variable as its handle for xs), or a clear error."""
-    if isinstance(value, tf.Variable):
-        value = value.handle if what == "xs" else value.value()
-    if isinstance(value, tf.IndexedSlices) or not tf.is_tensor(value):
-        raise TypeError(
-            f"{what} must hold dense tensors or variables; got {value!r}. "
-            "Convert other values with tf.convert_to_tensor first."
-        )
-    value = tf.convert_to_tensor(value)
-    if not hasattr(value, "graph") or value.graph is not graph:
-        raise ValueError(
-            f"{what} entry {getattr(value, 'name', value)} is not a tensor of the graph of ys "
-            f"({graph}): build ys, xs and checkpoints in the same graph or tf.function."
-        )
-    return value
-
-
-def _check_grad_ys(grad_ys, ys: list[tf.Tensor]) -> list | None:
-    if grad_ys is None:
-        return None
-    grad_ys = _as_list(grad_ys)
-    if len(grad_ys) != len(ys):
-        raise ValueError(f"Passed {len(grad_ys)} grad_ys for {len(ys)} ys; give one per y.")
-    return grad_ys
 
 
 def _fill_unconnected(x: tf.Tensor, gradient, unconnected: tf.UnconnectedGradients):

@@ -57,11 +57,17 @@ def forward_ops(
     return seen
 
 
+#: Op types whose output feeds a TF1 while loop's next iteration: the one kind of edge that
+#: closes a cycle in a TensorFlow graph.
+BACK_EDGE_TYPES = frozenset({"NextIteration", "RefNextIteration"})
+
+
 def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
     """`ops` ordered so that each comes after the ops it reads, ties broken by creation order.
 
     Creation order is the order the user wrote the model in, which keeps the tensors alive
-    across any point of the order few (the checkpoint planner relies on that).
+    across any point of the order few (the checkpoint planner relies on that). The back edges
+    of TF1 while loops are left out, as TensorFlow's own executor leaves them out.
     """
     if not ops:
         return []
@@ -70,7 +76,10 @@ def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
     dependencies = nx.DiGraph()
     dependencies.add_nodes_from(ops)
     dependencies.add_edges_from(
-        (tensor.op, op) for op in ops for tensor in op.inputs if tensor.op in dependencies
+        (tensor.op, op)
+        for op in ops
+        for tensor in op.inputs
+        if tensor.op in dependencies and tensor.op.type not in BACK_EDGE_TYPES
     )
     return list(nx.lexicographical_topological_sort(dependencies, key=creation_index.__getitem__))
 

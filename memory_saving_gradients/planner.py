@@ -6,18 +6,21 @@ after the cut be recomputed without the half before. The single-tensor cuts are 
 "bottlenecks" of the original library; a cut may hold several tensors (skip connections, dense
 blocks), so a plan exists for every graph.
 
-For a set of cuts, backprop holds every kept cut plus, while one segment is differentiated,
-that segment's recomputed activations (Chen et al. 2016, "Training Deep Nets with Sublinear
-Memory Cost"). For each segment-size budget, a dynamic programme finds the cheapest cuts that
-keep every segment within it; the budget with the smallest estimated peak wins. On a uniform
-chain of n layers this keeps about sqrt(n) tensors.
+Backprop runs over the segments between cuts from last to first. While it differentiates a
+segment it holds that segment's recomputed activations plus the cuts before it: the cuts after
+it are spent. So the peak is the largest, over segments, of "cuts before + segment", and the
+best plans make segments shorter towards the end. On a uniform chain of n layers the optimum
+keeps about sqrt(2n) tensors in segments that shrink by one layer each, for a peak of about
+sqrt(2n) activations, where equal segments (Chen et al. 2016) need 2 sqrt(n).
+
+For a candidate peak, a dynamic programme over the order finds whether cuts meet it, and the
+cheapest such cuts; a bisection finds the smallest peak that can be met.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections import deque
+import heapq
 
 import numpy as np
 import tensorflow as tf
@@ -39,8 +42,8 @@ GRADIENT_READS_NOTHING = frozenset(
     }
 )  # fmt: skip
 
-#: Budgets tried between the largest single op and the whole forward pass.
-BUDGETS_TRIED = 48
+#: Bisection steps on the peak: the result is within 2**-30 of the best peak the model allows.
+BISECTION_STEPS = 30
 #: Among cuts of equal size, prefer those made of tensors backprop would not hold anyway (a
 #: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
 #: while a held one (the tanh output) lives on until its readers' gradients are done.
@@ -60,23 +63,24 @@ def plan_checkpoints(view: ForwardView) -> Plan:
     """The cuts of `view` that give the smallest estimated peak; none if cutting does not pay."""
     order = [op for op in view.ops if op in view.recomputable]
     held, cut_bytes, unheld_cut_bytes, lifetimes = _costs(view, order)
-    plain_peak = int(held.sum())
+    plain_peak = float(held.sum())
+    cut_cost = cut_bytes + TIE_BREAK * unheld_cut_bytes
     best_cuts: list[int] = []
-    best_peak = plain_peak
-    if len(order) > 1:
-        smallest = max(held.max(), 1.0)
-        for budget in np.geomspace(smallest, max(plain_peak, smallest), BUDGETS_TRIED):
-            cuts = _cheapest_cuts(held, cut_bytes + TIE_BREAK * unheld_cut_bytes, budget)
-            peak = _estimated_peak(held, cut_bytes, cuts)
-            if peak < best_peak:
-                best_cuts, best_peak = cuts, peak
+    low, high = float(held.max(initial=0.0)), plain_peak
+    for _ in range(BISECTION_STEPS if len(order) > 1 else 0):
+        peak = (low + high) / 2
+        cuts = _cuts_within(held, cut_cost, peak)
+        if cuts is None:
+            low = peak
+        else:
+            best_cuts, high = cuts, peak
     chosen = {
         tensor.ref(): tensor
         for cut in best_cuts
         for tensor, made_at, last_read_at in lifetimes
         if made_at <= cut < last_read_at
     }
-    return Plan(tuple(chosen.values()), best_peak, plain_peak)
+    return Plan(tuple(chosen.values()), int(high), int(plain_peak))
 
 
 def _held_for_backward(op: tf.Operation, readers: list[tf.Operation]) -> bool:
@@ -122,39 +126,44 @@ def _costs(view: ForwardView, order: list[tf.Operation]):
     return held, np.cumsum(alive_delta)[:end], np.cumsum(unheld_delta)[:end], lifetimes
 
 
-def _cheapest_cuts(held: np.ndarray, cut_bytes: np.ndarray, budget: float) -> list[int]:
-    """Cuts of least total size such that no segment holds more than `budget` bytes.
+def _cuts_within(held: np.ndarray, cut_cost: np.ndarray, peak: float) -> list[int] | None:
+    """The cheapest cuts for which every segment plus the cuts before it fits in `peak`, or
+    None if no cuts do.
 
-    State k stands for "a segment starts at op k" (state 0, the start of the pass, is free).
-    A segment from state k through op i is allowed while it holds at most `budget`, which
-    `budget >= held.max()` makes possible for every op. A deque keeps the allowed states in
-    increasing order of cost, so the programme is linear.
+    State s stands for "a segment starts at op s", reached with cuts costing `spent[s]` before
+    it (state 0, the start of the pass, costs nothing). The segment from s through op i fits
+    while spent[s] + held[s..i] <= peak. As i grows a state only ever stops fitting, so states
+    leave a heap ordered by that condition once, and the cheapest fitting state comes from a
+    second heap: O(n log n).
     """
     n = len(held)
     held_before = np.concatenate([[0.0], np.cumsum(held)])
-    cost = np.zeros(n)
+    spent = np.zeros(n)
     previous = np.zeros(n, dtype=int)
-    window: deque[int] = deque([0])
+    fits = np.zeros(n, dtype=bool)
+    by_slack: list[tuple[float, int]] = []  # (-(spent - held_before), state): least slack first
+    by_cost: list[tuple[float, int]] = []
+    fits[0] = True
+    heapq.heappush(by_slack, (0.0, 0))
+    heapq.heappush(by_cost, (0.0, 0))
     for i in range(n):
-        while held_before[i + 1] - held_before[window[0]] > budget:
-            window.popleft()
+        limit = peak - held_before[i + 1]
+        while by_slack and -by_slack[0][0] > limit:
+            fits[heapq.heappop(by_slack)[1]] = False
+        while by_cost and not fits[by_cost[0][1]]:
+            heapq.heappop(by_cost)
+        if not by_cost:
+            return None
         if i == n - 1:
             break
-        cost[i + 1] = cost[window[0]] + cut_bytes[i]
-        previous[i + 1] = window[0]
-        while window and cost[window[-1]] >= cost[i + 1]:
-            window.pop()
-        window.append(i + 1)
+        spent[i + 1] = by_cost[0][0] + cut_cost[i]
+        previous[i + 1] = by_cost[0][1]
+        fits[i + 1] = True
+        heapq.heappush(by_slack, (-(spent[i + 1] - held_before[i + 1]), i + 1))
+        heapq.heappush(by_cost, (spent[i + 1], i + 1))
     cuts = []
-    state = window[0]
+    state = by_cost[0][1]
     while state > 0:
         cuts.append(state - 1)
         state = previous[state]
     return cuts[::-1]
-
-
-def _estimated_peak(held: np.ndarray, cut_bytes: np.ndarray, cuts: list[int]) -> int:
-    """Every kept cut plus the segment that holds the most while it is differentiated."""
-    bounds = [0, *(c + 1 for c in cuts), len(held)]
-    largest_segment = max(held[a:b].sum() for a, b in itertools.pairwise(bounds))
-    return int(cut_bytes[cuts].sum() + largest_segment)

@@ -189,12 +189,13 @@ def checkpointed_gradients(
 
 
 def plain_gradients(
-    view: ForwardView, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    grad_ys: Sequence[Gradient | None] | None,
+    options: GradientOptions,
 ) -> list[Gradient | None]:
     """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
-    return _tensorflow_gradients(
-        view.ys, view.xs, grad_ys, options.stop_gradients, options, options.name
-    )
+    return _tensorflow_gradients(ys, xs, grad_ys, options.stop_gradients, options, options.name)
 
 
 def _boundaries(view: ForwardView, tensors: Sequence[tf.Tensor]) -> dict[object, tf.Tensor]:

@@ -21,7 +21,15 @@ from memory_saving_gradients import _tf, graph
 logger = logging.getLogger("memory_saving_gradients")
 
 #: Stateless op types whose value may be overridden at run time (fed), so a copy could differ.
-NEVER_RECOMPUTED_TYPES = frozenset({"PlaceholderWithDefault"})
+FEEDABLE_TYPES = frozenset({"PlaceholderWithDefault"})
+#: TF1 control-flow primitives: a frame's ops only run correctly together, so none is copied,
+#: not even a cond's Merge, which lies outside the frame it closes.
+FRAME_TYPES = frozenset(
+    {
+        "Enter", "Exit", "LoopCond", "Merge", "NextIteration", "RefEnter", "RefExit",
+        "RefMerge", "RefNextIteration", "RefSwitch", "Switch",
+    }
+)  # fmt: skip
 
 
 def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> str | None:
@@ -30,9 +38,9 @@ def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> s
         return "it produces one of xs"
     if _tf.is_stateful(op):
         return "it is stateful (random, variable access, I/O), so a rerun could differ"
-    if _tf.in_v1_control_flow(op):
-        return "it is inside a TF1 control-flow frame"
-    if op.type in NEVER_RECOMPUTED_TYPES:
+    if _tf.in_v1_control_flow(op) or op.type in FRAME_TYPES:
+        return "it belongs to a TF1 control-flow frame"
+    if op.type in FEEDABLE_TYPES:
         return f"{op.type} can be fed at run time"
     if any(t.dtype != t.dtype.base_dtype for t in op.inputs):
         return "it reads a reference variable, which may change before the backward pass"

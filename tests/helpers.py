@@ -62,6 +62,23 @@ def gradients_in_function(model_fn, strategy: str, *, input_gradient=False):
     )
 
 
+def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
+    """Run lists of gradients in one step; None entries (unconnected xs) stay None."""
+    present = [[g for g in gradients if g is not None] for gradients in gradient_lists]
+    values = session.run(present, feed_dict)
+    return [
+        [None if g is None else next(found) for g in gradients]
+        for gradients, found in zip(gradient_lists, map(iter, values), strict=True)
+    ]
+
+
+def recomputed_copies(graph: tf.Graph) -> list[tf.Operation]:
+    """The forward ops the rewrite copied, not the gradient ops TensorFlow names after them."""
+    return [
+        op for op in graph.get_operations() if "/recompute_" in op.name and "_grad/" not in op.name
+    ]
+
+
 def assert_recomputes(graph: tf.Graph) -> None:
     """Fail unless the checkpointed gradients copied some forward ops, so a test comparing
     them with tf.gradients compares a rewrite, not TensorFlow with itself."""
@@ -78,8 +95,12 @@ def dense(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def assert_same_gradients(reference, got, rtol=1e-5) -> None:
-    """Equal to float round-off, None where tf.gradients gives None, sparse where it is."""
+def assert_same_gradients(reference, got, rtol=1e-5, atol=0.0) -> None:
+    """Equal to float round-off, None where tf.gradients gives None, sparse where it is.
+
+    Round-off is measured against each gradient's largest entry, or `atol` where terms that
+    cancel to (nearly) zero leave round-off of their own, larger magnitude.
+    """
     assert len(reference) == len(got)
     for i, (want, have) in enumerate(zip(reference, got, strict=True)):
         if want is None:
@@ -88,11 +109,13 @@ def assert_same_gradients(reference, got, rtol=1e-5) -> None:
         sparse = (tf.IndexedSlices, IndexedSlicesValue)
         assert isinstance(have, sparse) == isinstance(want, sparse), f"gradient {i} type"
         want, have = dense(want), dense(have)
+        wide = np.complex128 if np.iscomplexobj(want) else np.float64
+        want, have = want.astype(wide), have.astype(wide)
         scale = float(np.abs(want).max()) or 1.0
         np.testing.assert_allclose(
-            have.astype(np.float64),
-            want.astype(np.float64),
+            have,
+            want,
             rtol=rtol,
-            atol=rtol * scale,
+            atol=max(rtol * scale, atol),
             err_msg=f"gradient {i}",
         )

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_recomputes, assert_same_gradients
+from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
 
 tf1 = tf.compat.v1
 
@@ -23,15 +23,9 @@ def chain(n=6, width=8):
 
 
 def evaluate(fetches, x):
-    """Run nested lists of gradients; None entries (unconnected) stay None."""
-    present = [[g for g in group if g is not None] for group in fetches]
     with tf1.Session() as session:
         session.run(tf1.global_variables_initializer())
-        values = iter(session.run(present, {x: np.ones(x.shape, np.float32)}))
-    return [
-        [None if g is None else next(group_values) for g in group]
-        for group, group_values in zip(fetches, (iter(v) for v in values), strict=True)
-    ]
+        return run_with_nones(session, fetches, {x: np.ones(x.shape, np.float32)})
 
 
 def test_eager_call_says_to_use_a_graph():
@@ -191,3 +185,53 @@ def test_duplicate_xs_get_the_same_gradient():
         got = msg.gradients(loss, [ws[0], ws[1], ws[0]], checkpoints="memory")
         assert got[0] is got[2]
         assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_ys_of_two_graphs_are_rejected():
+    with tf.Graph().as_default():
+        other = tf.constant(1.0, name="other_y")
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(ValueError, match="ys entry other_y"):
+            msg.gradients([loss, other], ws, checkpoints="memory")
+
+
+def test_non_float_ys_are_rejected():
+    with tf.Graph().as_default():
+        _, ws, hidden, _ = chain()
+        counts = tf.cast(hidden[-1] > 0, tf.int32, name="counts")
+        with pytest.raises(TypeError, match=r"counts:0 has dtype int32.*tf\.cast"):
+            msg.gradients(counts, ws, checkpoints="memory")
+
+
+def test_grad_ys_of_the_wrong_dtype_or_shape_are_rejected():
+    with tf.Graph().as_default():
+        _, ws, hidden, _ = chain()
+        y = hidden[-1]
+        with pytest.raises(TypeError, match=r"grad_ys\[0\] has dtype float64.*tf\.cast"):
+            msg.gradients(y, ws, grad_ys=tf.ones(y.shape, tf.float64), checkpoints="memory")
+        with pytest.raises(ValueError, match=r"grad_ys\[0\] has shape \(3, 8\)"):
+            msg.gradients(y, ws, grad_ys=tf.ones([3, 8]), checkpoints="memory")
+
+
+def test_unreachable_xs_are_reported(caplog):
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        lonely = tf.Variable(1.0, name="lonely")
+        caplog.set_level(logging.INFO, logger="memory_saving_gradients")
+        msg.gradients(loss, [*ws, lonely], checkpoints="memory")
+        assert "ys do not depend on xs ['lonely:0']" in caplog.text
+        caplog.clear()
+        assert msg.gradients(loss, [lonely], checkpoints="memory") == [None]
+        assert any(
+            r.levelno == logging.WARNING and "any of xs ['lonely:0']" in r.message
+            for r in caplog.records
+        )
+
+
+def test_eager_tensors_as_checkpoints_are_rejected():
+    eager = tf.constant(1.0)
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        with pytest.raises(TypeError, match="not a graph tensor"):
+            msg.gradients(loss, ws, checkpoints=[eager])

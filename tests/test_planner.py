@@ -15,29 +15,34 @@ from tests.helpers import assert_same_gradients
 tf1 = tf.compat.v1
 
 
-def brute_force_cheapest(held, cut_bytes, budget):
-    """Least total cut size over all cut sets whose segments hold at most `budget`."""
-    n = len(held)
-    best = math.inf
-    for r in range(n):
-        for cuts in itertools.combinations(range(n - 1), r):
-            bounds = [0, *(c + 1 for c in cuts), n]
-            if all(held[a:b].sum() <= budget for a, b in itertools.pairwise(bounds)):
-                best = min(best, cut_bytes[list(cuts)].sum())
-    return best
+def peak_of(held, cut_bytes, cuts):
+    """Largest "cuts before + segment" over the segments that `cuts` make."""
+    starts = [0, *(c + 1 for c in cuts)]
+    ends = [*(c + 1 for c in cuts), len(held)]
+    spent = np.concatenate([[0.0], np.cumsum(cut_bytes[list(cuts)])])
+    return max(
+        spent[j] + held[a:b].sum() for j, (a, b) in enumerate(zip(starts, ends, strict=True))
+    )
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_cheapest_cuts_match_brute_force(seed):
+def all_cut_sets(n):
+    return itertools.chain.from_iterable(itertools.combinations(range(n - 1), r) for r in range(n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cuts_within_a_peak_match_brute_force(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 9))
-    held = rng.integers(0, 5, n).astype(float)
-    cut_bytes = rng.integers(1, 6, n - 1).astype(float)
-    budget = float(rng.integers(max(held.max(), 1), held.sum() + 2))
-    cuts = planner._cheapest_cuts(held, cut_bytes, budget)
-    bounds = [0, *(c + 1 for c in cuts), n]
-    assert all(held[a:b].sum() <= budget for a, b in itertools.pairwise(bounds))
-    assert cut_bytes[cuts].sum() == brute_force_cheapest(held, cut_bytes, budget)
+    held = rng.integers(0, 6, n).astype(float)
+    cut_bytes = rng.integers(1, 4, n - 1).astype(float)
+    peak = float(rng.integers(held.max(), held.sum() + 1))
+    feasible = [c for c in all_cut_sets(n) if peak_of(held, cut_bytes, c) <= peak]
+    cuts = planner._cuts_within(held, cut_bytes, peak)
+    if not feasible:
+        assert cuts is None
+        return
+    assert cuts is not None and peak_of(held, cut_bytes, cuts) <= peak
+    assert cut_bytes[cuts].sum() == min(cut_bytes[list(c)].sum() for c in feasible)
 
 
 def chain_view(n, width=100):
@@ -49,11 +54,16 @@ def chain_view(n, width=100):
 
 
 @pytest.mark.parametrize("n", [16, 49, 100])
-def test_chain_plan_keeps_about_sqrt_n(n):
+def test_chain_plan_keeps_about_sqrt_2n_in_shrinking_segments(n):
     with tf.Graph().as_default():
         plan = planner.plan_checkpoints(chain_view(n))
-    assert abs(len(plan.checkpoints) - math.sqrt(n)) <= 2
-    assert plan.estimated_peak < 0.5 * plan.estimated_peak_without_checkpoints
+        positions = sorted(
+            int(t.op.name.split("_")[-1]) if "_" in t.op.name else 0 for t in plan.checkpoints
+        )
+    assert abs(len(plan.checkpoints) - math.sqrt(2 * n)) <= 2
+    gaps = np.diff(positions)
+    assert all(gaps[:-1] >= gaps[1:]), positions
+    assert plan.estimated_peak < 2 * math.sqrt(n) / n * plan.estimated_peak_without_checkpoints
 
 
 def test_tiny_graph_gets_no_plan():

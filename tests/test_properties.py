@@ -1,0 +1,94 @@
+"""Property tests: on random graphs, checkpointed gradients equal tf.gradients, or a documented
+error is raised.
+
+Random DAGs of elementwise ops, matmuls, concat/split, reductions, broadcasting, residual and
+multi-branch joins, with several ys and xs (variables and intermediate tensors), optional
+grad_ys, every strategy, and random checkpoint lists that may name xs, ys, duplicates, side
+branches and tensors off every path from xs to ys. MSG_PROPERTY_EXAMPLES sets how many graphs
+each test tries (default 200 in a Session, a quarter of that in tf.function).
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+from hypothesis import HealthCheck, event, given, settings
+
+import memory_saving_gradients as msg
+from tests.helpers import assert_same_gradients, run_with_nones
+from tests.random_graphs import Program, Variables, build, programs
+
+tf1 = tf.compat.v1
+EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
+#: Values stay of order one, so terms that cancel (x - x) leave float32 round-off of order 1e-7.
+ROUND_OFF = 1e-6
+COMMON = {
+    "deadline": None,
+    "derandomize": not os.environ.get("MSG_PROPERTY_EXAMPLES"),
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "database": None,
+}
+
+
+def checkpointed(program: Program, built) -> list | None:
+    """msg.gradients for the program, or None when it raises the documented error."""
+    if program.strategy == "list":
+        checkpoints = [built.values[i] for i in program.checkpoints]
+    else:
+        checkpoints = program.strategy
+        if program.strategy == "collection":
+            for i in program.checkpoints:
+                msg.add_checkpoint(built.values[i])
+    graph = tf1.get_default_graph()
+    before = len(graph.get_operations())
+    try:
+        gradients = msg.gradients(built.ys, built.xs, built.grad_ys, checkpoints=checkpoints)
+    except msg.NoCheckpointsError:
+        assert program.strategy != "memory", "'memory' must never refuse"
+        event(f"{program.strategy}: no usable checkpoint (documented error)")
+        return None
+    added = graph.get_operations()[before:]
+    recomputed = any("/recompute_" in op.name for op in added)
+    event(f"{program.strategy}: {'recomputed' if recomputed else 'nothing to recompute'}")
+    return gradients
+
+
+@settings(max_examples=EXAMPLES, **COMMON)
+@given(programs())
+def test_random_graphs_in_a_session(program):
+    with tf.Graph().as_default():
+        built = build(program, Variables.create(program))
+        reference = tf1.gradients(built.ys, built.xs, built.grad_ys)
+        got = checkpointed(program, built)
+        if got is None:
+            return
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            want, have = run_with_nones(session, [reference, got])
+    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
+
+
+@settings(max_examples=max(EXAMPLES // 4, 10), **COMMON)
+@given(programs(max_steps=12))
+def test_random_graphs_in_a_tf_function(program):
+    results = {}
+    variables = Variables.create(program)
+
+    @tf.function
+    def step():
+        built = build(program, variables)
+        results["reference"] = tf.gradients(built.ys, built.xs, built.grad_ys)
+        results["got"] = checkpointed(program, built)
+        present = [g for g in results["reference"] + (results["got"] or []) if g is not None]
+        return present
+
+    values = iter(step())
+    if results["got"] is None:
+        return
+
+    def fill(gradients):
+        return [None if g is None else np.asarray(next(values)) for g in gradients]
+
+    want = fill(results["reference"])
+    have = fill(results["got"])
+    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
