@@ -169,8 +169,10 @@ def dense_bias_chain_peak(n: int, checkpoints) -> float:
 
 
 def test_recomputation_waits_for_the_weight_gradients_of_the_segment_before():
-    n = 16
+    n = 32
     plain = dense_bias_chain_peak(n, None)
     checkpointed = dense_bias_chain_peak(n, "memory")
     assert plain >= n
-    assert checkpointed < 0.5 * plain, (checkpointed, plain)
+    # Measured: plain 37, checkpointed 10 (33 when recomputation waits for the incoming
+    # gradients only); the 3 on top of the activations are gradient temporaries.
+    assert checkpointed <= shrinking_segments_peak(n) + 3, (checkpointed, plain)
