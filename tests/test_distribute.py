@@ -1,12 +1,14 @@
-"""Checkpointed gradients inside `tf.distribute.MirroredStrategy.run`, on two logical CPUs.
+"""Checkpointed gradients inside `strategy.run` of tf.distribute strategies.
 
-The check runs in a fresh interpreter (tests/mirrored_worker.py): logical devices cannot be
-configured once TensorFlow's runtime has started.
+Each check runs in a fresh interpreter: logical devices (tests/mirrored_worker.py, two logical
+CPUs) and a worker cluster (tests/multi_worker.py) cannot be configured once TensorFlow's
+runtime has started.
 """
 
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -15,11 +17,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def report():
+def run_worker(module: str, *arguments: str) -> dict:
+    """Run `python -m module arguments` from the repository root; its last stdout line."""
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     result = subprocess.run(
-        [sys.executable, "-m", "tests.mirrored_worker"],
+        [sys.executable, "-m", module, *arguments],
         cwd=ROOT,
         env=environment,
         capture_output=True,
@@ -29,6 +31,17 @@ def report():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_worker("tests.mirrored_worker")
 
 
 def test_gradients_equal_plain_mirrored_gradients(report):
@@ -58,3 +71,9 @@ def test_each_replica_saves_memory_as_one_device_does(report):
     # Measured at depth 24: mirrored 0.39 (both replicas share one CPU allocator), one device 0.44.
     assert mirrored < 0.5, peaks
     assert mirrored < one_device + 0.1, peaks
+
+
+def test_multi_worker_mirrored_strategy_takes_the_same_path():
+    report = run_worker("tests.multi_worker", str(free_port()))
+    assert report["recomputed_ops"] > 0
+    assert max(report["relative_errors"]) < 5e-6, report["relative_errors"]
