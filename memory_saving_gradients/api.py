@@ -59,7 +59,7 @@ def gradients(
         stop_gradients, unconnected_gradients: as in `tf.compat.v1.gradients`.
       checkpoints: the tensors to keep, or a strategy: 'collection' (the graph collection
         'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions) or
-        'memory' (cuts chosen to minimise the estimated peak memory, about sqrt(N) tensors on
+        'memory' (cuts chosen to minimise the estimated peak memory, about sqrt(2N) tensors on
         an N-layer chain; when none pays off, plain gradients are computed and logged).
 
     Returns:

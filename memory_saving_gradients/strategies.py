@@ -58,7 +58,7 @@ def speed(view: ForwardView) -> list[tf.Tensor]:
 
 
 def memory(view: ForwardView) -> list[tf.Tensor]:
-    """Cuts of the forward pass chosen to minimise the estimated peak (about sqrt(N) on chains).
+    """Cuts of the forward pass chosen to minimise the estimated peak (about sqrt(2N) on chains).
 
     When no set of cuts lowers the estimated peak (tiny graphs), this is empty and gradients
     are computed as `tf.gradients` does, which is logged.
