@@ -3,11 +3,13 @@
     import memory_saving_gradients as msg
     grads = msg.gradients(loss, variables, checkpoints="memory")   # in place of tf.gradients
     with msg.GradientTape(checkpoints="memory") as tape: ...       # in place of tf.GradientTape
+    msg.keras.enable(model, checkpoints="memory")                  # Keras model.fit
     msg.patch("memory")   # or: every tf.gradients / Optimizer.minimize call checkpoints
 
 Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
 """
 
+from memory_saving_gradients import keras
 from memory_saving_gradients.api import (
     gradients,
     gradients_collection,
@@ -33,6 +35,7 @@ __all__ = [
     "gradients_collection",
     "gradients_memory",
     "gradients_speed",
+    "keras",
     "patch",
     "patched",
     "unpatch",
