@@ -20,26 +20,30 @@ DEPTH, WIDTH, BATCH = 48, 256, 512
 def build(patched: bool):
     graph = tf.Graph()
     with graph.as_default():
+        tf1.set_random_seed(0)  # the same initial weights in both graphs
         x = tf1.placeholder(tf.float32, [BATCH, WIDTH])
+        target = tf1.placeholder(tf.float32, [BATCH, WIDTH])
         h = x
         for i in range(DEPTH):
             w = tf1.get_variable(f"w{i}", [WIDTH, WIDTH], initializer=tf1.orthogonal_initializer())
             h = tf.tanh(tf.matmul(h, w))
-        loss = tf.reduce_mean(tf.square(h))
-        optimizer = tf1.train.MomentumOptimizer(0.01, momentum=0.9)
+        loss = tf.reduce_mean(tf.square(h - target))
+        optimizer = tf1.train.MomentumOptimizer(0.5, momentum=0.9)
         if patched:
             with msg.patched("memory"):
                 train_op = optimizer.minimize(loss)
         else:
             train_op = optimizer.minimize(loss)
         init = tf1.global_variables_initializer()
-    return graph, x, loss, train_op, init
+    return graph, (x, target), loss, train_op, init
 
 
 def train(patched: bool):
     """Losses of three steps, then the peak memory of a fourth, in a fresh Session."""
-    graph, x, loss, train_op, init = build(patched)
-    feed = {x: np.random.default_rng(0).standard_normal((BATCH, WIDTH)).astype(np.float32)}
+    graph, (x, target), loss, train_op, init = build(patched)
+    rng = np.random.default_rng(0)
+    inputs = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    feed = {x: inputs, target: np.tanh(inputs[:, ::-1])}
     with tf1.Session(graph=graph) as session:
         session.run(init)
         losses = [session.run([train_op, loss], feed)[1] for _ in range(3)]
