@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from memory_saving_gradients import _tf
+
 
 @dataclasses.dataclass(frozen=True)
 class Arguments:
@@ -86,9 +88,12 @@ def _enclosing_graphs(graph: tf.Graph) -> list[tf.Graph]:
 
 
 def _tensor(value, what: str, graphs: Sequence[tf.Graph]) -> tf.Tensor:
-    """`value` as a graph tensor of one of `graphs` (a variable as its handle for xs)."""
-    if isinstance(value, tf.Variable):
-        value = value.handle if what == "xs" else value.value()
+    """`value` as a graph tensor of one of `graphs` (a variable as its handle for xs).
+
+    Keras 3 variables are no `tf.Variable` but are differentiated through their handle too.
+    """
+    if _tf.is_resource_variable(value):
+        value = value.handle if what == "xs" else tf.convert_to_tensor(value)
     if isinstance(value, tf.IndexedSlices) or not tf.is_tensor(value):
         raise TypeError(
             f"{what} must hold dense tensors or variables; got {value!r}. "

@@ -86,3 +86,24 @@ def test_convolution_checkpoints_in_a_residual_network():
     reference = step(tf.gradients)
     got = step(msg.gradients, checkpoints="speed")
     assert_same_gradients(reference, got)
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed"])
+def test_keras_variables_as_xs(strategy):
+    """Keras 3 variables are no tf.Variable; like tf.gradients, differentiate their handles
+    (reading them again would give a tensor the loss does not depend on, and None)."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(16, activation="tanh") for _ in range(6)]
+    model = keras.Sequential([keras.Input((16,)), *layers])
+    variables = model.trainable_variables
+    assert not isinstance(variables[0], tf.Variable)
+
+    @tf.function
+    def run(x):
+        loss = tf.reduce_sum(tf.square(model(x)))
+        got = msg.gradients(loss, variables, checkpoints=strategy)
+        assert_recomputes(tf.compat.v1.get_default_graph())
+        return tf.gradients(loss, variables), got
+
+    reference, got = run(tf.ones((4, 16)))
+    assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
