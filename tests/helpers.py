@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
@@ -10,6 +15,34 @@ import memory_saving_gradients as msg
 from tests.models import Model
 
 tf1 = tf.compat.v1
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def square_weights(n: int, width: int, seed: int = 0) -> list[tf.Variable]:
+    """n [width, width] variables named w0, w1, ..., scaled so activations stay of order one."""
+    rng = np.random.RandomState(seed)
+    return [
+        tf.Variable((rng.randn(width, width) / np.sqrt(width)).astype(np.float32), name=f"w{i}")
+        for i in range(n)
+    ]
+
+
+def run_python(*arguments: str) -> str:
+    """Stdout of `python arguments` run from the repository root in a fresh interpreter (for
+    device and cluster set-ups that must come before TensorFlow's runtime starts); fails the
+    test with the interpreter's stderr if it fails."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, *arguments],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
 
 
 def checkpoints_for(strategy: str, kept: list[tf.Tensor]):

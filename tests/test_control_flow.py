@@ -15,18 +15,11 @@ from tests.helpers import (
     assert_same_gradients,
     recomputed_copies,
     run_with_nones,
+    square_weights,
 )
 
 tf1 = tf.compat.v1
 WIDTH = 8
-
-
-def weights(n, seed=0):
-    rng = np.random.RandomState(seed)
-    return [
-        tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32), name=f"w{i}")
-        for i in range(n)
-    ]
 
 
 def numpy(gradients):
@@ -71,7 +64,7 @@ PLACES = {
 def compare_in_session(build, checkpoints):
     with tf.Graph().as_default() as graph:
         x = tf1.placeholder(tf.float32, [4, WIDTH])
-        ws = weights(9)
+        ws = square_weights(9, WIDTH)
         loss, named = build(ws, x)
         chosen = [named[n] for n in checkpoints] if isinstance(checkpoints, list) else checkpoints
         library_before = {f.signature.name: f for f in graph.as_graph_def().library.function}
@@ -106,7 +99,7 @@ def test_while_loop(place):
 def test_checkpoint_inside_a_branch_is_refused_clearly():
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, [4, WIDTH])
-        ws = weights(2)
+        ws = square_weights(2, WIDTH)
         inside = []
 
         def branch():
@@ -120,7 +113,7 @@ def test_checkpoint_inside_a_branch_is_refused_clearly():
 
 @pytest.mark.parametrize("strategy", ["memory", "speed", "list"])
 def test_control_flow_in_a_tf_function(strategy):
-    ws = weights(9)
+    ws = square_weights(9, WIDTH)
     x = tf.constant(np.random.RandomState(2).randn(4, WIDTH).astype(np.float32))
 
     @tf.function
@@ -160,7 +153,7 @@ def test_custom_gradient_functions_keep_their_gradient():
 
 
 def test_recompute_grad_blocks_inside_the_model():
-    ws = weights(6)
+    ws = square_weights(6, WIDTH)
     x = tf.constant(np.random.RandomState(3).randn(4, WIDTH).astype(np.float32))
     block = tf.recompute_grad(lambda h: layer(layer(h, ws[2]), ws[3]))
 

@@ -6,31 +6,16 @@ runtime has started.
 """
 
 import json
-import os
-import pathlib
 import socket
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import run_python
 
 
 def run_worker(module: str, *arguments: str) -> dict:
-    """Run `python -m module arguments` from the repository root; its last stdout line."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    result = subprocess.run(
-        [sys.executable, "-m", module, *arguments],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """The JSON report `python -m module arguments` prints last."""
+    return json.loads(run_python("-m", module, *arguments).strip().splitlines()[-1])
 
 
 def free_port() -> int:

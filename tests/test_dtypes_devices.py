@@ -8,6 +8,7 @@ import memory_saving_gradients as msg
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,
+    recomputed_copies,
     run_with_nones,
 )
 
@@ -73,13 +74,8 @@ def test_recomputed_ops_keep_their_device_on_several_devices():
                 h = tf.tanh(tf.matmul(h, w))
         loss = tf.reduce_sum(h * h)
         reference = tf1.gradients(loss, ws)
-        before = set(graph.get_operations())
         got = msg.gradients(loss, ws, checkpoints="memory")
-        copies = [
-            op
-            for op in graph.get_operations()
-            if op not in before and "/recompute_" in op.name and "_grad/" not in op.name
-        ]
+        copies = recomputed_copies(graph)
         assert copies
         for copy in copies:
             original = graph.get_operation_by_name(copy.name.split("/", 2)[-1])
@@ -100,13 +96,8 @@ def test_colocation_constraints_are_kept():
             with tf1.colocate_with(w.handle.op):
                 h = tf.tanh(tf.matmul(h, w))
         loss = tf.reduce_sum(h * h)
-        before = set(graph.get_operations())
         msg.gradients(loss, ws, checkpoints="memory")
-        copies = [
-            op
-            for op in graph.get_operations()
-            if op not in before and "/recompute_" in op.name and "_grad/" not in op.name
-        ]
+        copies = recomputed_copies(graph)
         assert copies
         for copy in copies:
             original = graph.get_operation_by_name(copy.name.split("/", 2)[-1])

@@ -17,18 +17,11 @@ from tests.helpers import (
     assert_same_gradients,
     recomputed_copies,
     run_with_nones,
+    square_weights,
 )
 
 tf1 = tf.compat.v1
 WIDTH = 16
-
-
-def weights(n, seed=0):
-    rng = np.random.RandomState(seed)
-    return [
-        tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32), name=f"w{i}")
-        for i in range(n)
-    ]
 
 
 def assert_nothing_stateful_recomputed(graph):
@@ -51,7 +44,7 @@ def test_random_ops_in_the_forward_pass(noise, strategy):
     with tf.Graph().as_default() as graph:
         # An unknown batch size makes the noise shapes, tf.shape(h), depend on the forward pass.
         x = tf1.placeholder(tf.float32, [None, WIDTH])
-        ws = weights(8)
+        ws = square_weights(8, WIDTH)
         h, hidden = x, []
         for w in ws:
             h = NOISE[noise](tf.tanh(tf.matmul(h, w)))
@@ -75,7 +68,7 @@ def test_variable_read_after_an_assignment_in_the_same_step():
     """The forward pass doubles a variable and reads it; the backward pass must see that read."""
     with tf.Graph().as_default() as graph:
         x = tf1.placeholder(tf.float32, [8, WIDTH])
-        ws = weights(6)
+        ws = square_weights(6, WIDTH)
         scale = tf.Variable(np.ones(WIDTH, np.float32), name="scale")
         h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, ws[0])), ws[1]))
         doubled = scale.assign(scale * 2.0)
@@ -103,7 +96,7 @@ def test_tf_data_iterator_advances_once_per_step():
         batch = tf1.data.make_one_shot_iterator(
             tf.data.Dataset.from_tensor_slices(data)
         ).get_next()
-        ws = weights(6)
+        ws = square_weights(6, WIDTH)
         h = batch
         for w in ws:
             h = tf.tanh(tf.matmul(h, w))
