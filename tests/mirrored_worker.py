@@ -100,7 +100,45 @@ def main() -> None:
             peak_memory(lambda step=step, argument=argument: [g.numpy() for g in step(argument)])
             for _ in range(3)
         )
-    print(json.dumps({"relative_errors": errors, "placements": placements, "peaks": peaks}))
+    report = {"relative_errors": errors, "placements": placements, "peaks": peaks}
+    print(json.dumps({**report, "keras_fit": keras_fit_under(strategy)}))
+
+
+def keras_fit_under(strategy: tf.distribute.Strategy) -> dict:
+    """Train the same Keras model with plain and enabled `fit` in `strategy`'s scope: the
+    largest weight difference, and how many ops each replica's traced step recomputed."""
+    import keras
+
+    import memory_saving_gradients as msg
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((256, 16)).astype("f4")
+    y = x.sum(axis=1, keepdims=True)
+    weights, recomputed = [], []
+    for enabled in (False, True):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((16,))]
+                + [keras.layers.Dense(32, activation="tanh") for _ in range(8)]
+                + [keras.layers.Dense(1)]
+            )
+            if enabled:
+                msg.keras.enable(model)
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        graphs = []
+        step = model.train_step
+
+        def recording_step(batch, step=step, graphs=graphs):
+            graphs.append(tf.compat.v1.get_default_graph())
+            return step(batch)
+
+        model.train_step = recording_step
+        model.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+        recomputed = [sum("recompute_" in op.name for op in g.get_operations()) for g in graphs]
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights, strict=True))
+    return {"max_weight_difference": difference, "recomputed_per_replica": recomputed}
 
 
 if __name__ == "__main__":

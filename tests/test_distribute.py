@@ -58,6 +58,13 @@ def test_each_replica_saves_memory_as_one_device_does(report):
     assert mirrored < one_device + 0.1, peaks
 
 
+def test_keras_fit_in_the_strategy_scope_matches_plain_fit(report):
+    fit = report["keras_fit"]
+    assert len(fit["recomputed_per_replica"]) == 2
+    assert min(fit["recomputed_per_replica"]) > 0
+    assert fit["max_weight_difference"] < 1e-6  # measured 4e-8
+
+
 def test_multi_worker_mirrored_strategy_takes_the_same_path():
     report = run_worker("tests.multi_worker", str(free_port()))
     assert report["recomputed_ops"] > 0
