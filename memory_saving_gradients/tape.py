@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf, graph
 from memory_saving_gradients.api import gradients
+from memory_saving_gradients.inputs import graph_of
 from memory_saving_gradients.strategies import CheckpointsArg
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -150,11 +151,12 @@ class GradientTape(tf.GradientTape):
             return True
         values = [*tf.nest.flatten(target), *tf.nest.flatten(sources)]
         odd = [v for v in values if not (_tf.is_resource_variable(v) or isinstance(v, tf.Tensor))]
+        target_graph = graph_of(tf.nest.flatten(target))
         if odd:
             reason = f"{odd[0]!r} is not a dense tensor or a variable"
-        elif not any(s.graph is _graph_of(target) for s in self._spans):
+        elif not any(s.graph is target_graph for s in self._spans):
             reason = "the tape recorded nothing in the graph of the target"
-        elif _tf.compiled_by_xla(_graph_of(target)):
+        elif _tf.compiled_by_xla(target_graph):
             reason = (
                 "the function is compiled by XLA (jit_compile=True), which merges recomputed "
                 "ops back into the forward pass; compile the training step without XLA"
@@ -165,7 +167,7 @@ class GradientTape(tf.GradientTape):
         return True
 
     def _checkpointed_gradients(self, targets, sources, output_gradients, unconnected):
-        graph_ = _graph_of(targets)
+        graph_ = graph_of(targets)
         with graph_.as_default():
             xs = [_as_graph_tensor(s) for s in sources]
             tracked = self._tracked(graph_)
@@ -184,8 +186,8 @@ class GradientTape(tf.GradientTape):
                     stop_gradients=stops, unconnected_gradients=unconnected,
                 )  # fmt: skip
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}
-            untracked = _tf.zero_gradient if unconnected == tf.UnconnectedGradients.ZERO else None
-            return [found[x.ref()] if x.ref() in found else untracked and untracked(x) for x in xs]
+            zeros = unconnected == tf.UnconnectedGradients.ZERO
+            return [_found_or_unconnected(found, x, zeros) for x in xs]
 
     def _tracked(self, graph_: tf.Graph) -> set:
         """Refs of the tensors the tape can differentiate against: those watched and every
@@ -227,11 +229,11 @@ def _log_eager_once() -> None:
     )
 
 
-def _graph_of(target) -> tf.Graph:
-    for t in tf.nest.flatten(target):
-        if hasattr(t, "graph"):
-            return t.graph
-    return tf.compat.v1.get_default_graph()
+def _found_or_unconnected(found: dict, x: tf.Tensor, zeros: bool):
+    """The gradient found for `x`; else zeros or None, as `unconnected_gradients` asks."""
+    if x.ref() in found:
+        return found[x.ref()]
+    return _tf.zero_gradient(x) if zeros else None
 
 
 def _as_graph_tensor(value) -> tf.Tensor:
