@@ -19,6 +19,7 @@ from memory_saving_gradients.api import (
 from memory_saving_gradients.patch import patch, patched, unpatch
 from memory_saving_gradients.strategies import (
     CHECKPOINTS_COLLECTION,
+    MemoryBudget,
     NoCheckpointsError,
     add_checkpoint,
 )
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CHECKPOINTS_COLLECTION",
     "GradientTape",
+    "MemoryBudget",
     "NoCheckpointsError",
     "add_checkpoint",
     "gradients",

@@ -58,9 +58,11 @@ def gradients(
       ys, xs, grad_ys, name, colocate_gradients_with_ops, gate_gradients, aggregation_method,
         stop_gradients, unconnected_gradients: as in `tf.compat.v1.gradients`.
       checkpoints: the tensors to keep, or a strategy: 'collection' (the graph collection
-        'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions) or
+        'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions),
         'memory' (cuts chosen to minimise the estimated peak memory, about sqrt(2N) tensors on
-        an N-layer chain; when none pays off, plain gradients are computed and logged).
+        an N-layer chain; when none pays off, plain gradients are computed and logged),
+        'balanced' (`MemoryBudget(1/3)`) or a `MemoryBudget` (the least recomputation whose
+        estimated peak fits the given fraction of plain backprop's).
 
     Returns:
       One gradient per x: a Tensor, an IndexedSlices where `tf.gradients` gives one, or None

@@ -59,28 +59,45 @@ class Plan:
     estimated_peak_without_checkpoints: int
 
 
-def plan_checkpoints(view: ForwardView) -> Plan:
-    """The cuts of `view` that give the smallest estimated peak; none if cutting does not pay."""
+def plan_checkpoints(view: ForwardView, peak_fraction: float | None = None) -> Plan:
+    """The cuts of `view` that give the smallest estimated peak; none if cutting does not pay.
+
+    With `peak_fraction`, the cuts that recompute the least while the estimated peak stays
+    within that fraction of plain backprop's: everything before the last cut is recomputed
+    once, so these are the cuts with the earliest last cut that fit. Where no cuts fit, the
+    smallest peak's.
+    """
     order = [op for op in view.ops if op in view.recomputable]
     held, cut_bytes, unheld_cut_bytes, lifetimes = _costs(view, order)
     plain_peak = float(held.sum())
     cut_cost = cut_bytes + TIE_BREAK * unheld_cut_bytes
+    cuts, peak = None, plain_peak
+    if peak_fraction is not None:
+        peak = peak_fraction * plain_peak
+        cuts = _cuts_within(held, cut_cost, peak, longest_last_segment=True)
+    if cuts is None:
+        cuts, peak = _smallest_peak_cuts(held, cut_cost)
+    chosen = {
+        tensor.ref(): tensor
+        for cut in cuts
+        for tensor, made_at, last_read_at in lifetimes
+        if made_at <= cut < last_read_at
+    }
+    return Plan(tuple(chosen.values()), int(peak), int(plain_peak))
+
+
+def _smallest_peak_cuts(held: np.ndarray, cut_cost: np.ndarray) -> tuple[list[int], float]:
+    """Bisect on the peak: the cheapest cuts meeting the smallest peak, and that peak."""
     best_cuts: list[int] = []
-    low, high = float(held.max(initial=0.0)), plain_peak
-    for _ in range(BISECTION_STEPS if len(order) > 1 else 0):
+    low, high = float(held.max(initial=0.0)), float(held.sum())
+    for _ in range(BISECTION_STEPS if len(held) > 1 else 0):
         peak = (low + high) / 2
         cuts = _cuts_within(held, cut_cost, peak)
         if cuts is None:
             low = peak
         else:
             best_cuts, high = cuts, peak
-    chosen = {
-        tensor.ref(): tensor
-        for cut in best_cuts
-        for tensor, made_at, last_read_at in lifetimes
-        if made_at <= cut < last_read_at
-    }
-    return Plan(tuple(chosen.values()), int(high), int(plain_peak))
+    return best_cuts, high
 
 
 def _held_for_backward(op: tf.Operation, readers: list[tf.Operation]) -> bool:
@@ -126,9 +143,12 @@ def _costs(view: ForwardView, order: list[tf.Operation]):
     return held, np.cumsum(alive_delta)[:end], np.cumsum(unheld_delta)[:end], lifetimes
 
 
-def _cuts_within(held: np.ndarray, cut_cost: np.ndarray, peak: float) -> list[int] | None:
+def _cuts_within(
+    held: np.ndarray, cut_cost: np.ndarray, peak: float, longest_last_segment: bool = False
+) -> list[int] | None:
     """The cheapest cuts for which every segment plus the cuts before it fits in `peak`, or
-    None if no cuts do.
+    None if no cuts do; with `longest_last_segment`, the cheapest of those whose last segment
+    starts earliest.
 
     State s stands for "a segment starts at op s", reached with cuts costing `spent[s]` before
     it (state 0, the start of the pass, costs nothing). The segment from s through op i fits
@@ -162,7 +182,7 @@ def _cuts_within(held: np.ndarray, cut_cost: np.ndarray, peak: float) -> list[in
         heapq.heappush(by_slack, (-(spent[i + 1] - held_before[i + 1]), i + 1))
         heapq.heappush(by_cost, (spent[i + 1], i + 1))
     cuts = []
-    state = by_cost[0][1]
+    state = int(np.argmax(fits)) if longest_last_segment else by_cost[0][1]
     while state > 0:
         cuts.append(state - 1)
         state = previous[state]

@@ -52,7 +52,8 @@ class GradientTape(tf.GradientTape):
 
     Inside `tf.function` only the checkpoints of the forward pass are kept; the rest is
     recomputed segment by segment during the backward pass. `checkpoints` is any value
-    `memory_saving_gradients.gradients` takes ('memory', 'speed', 'collection', a list).
+    `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed', 'collection', a
+    `MemoryBudget`, a list).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
     """
 

@@ -30,7 +30,9 @@ ARITY = {
     "mean_columns": 1,
     "stop_gradient": 1,
 }
-STRATEGIES = ("memory", "speed", "collection", "list")
+STRATEGIES = ("memory", "balanced", "budget", "speed", "collection", "list")
+#: Planned strategies never refuse: they may choose no checkpoints, and then gradients are plain.
+PLANNED = ("memory", "balanced", "budget")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Program:
     extra_xs: tuple[int, ...]
     weights_as_xs: bool
     strategy: str
+    budget: float
     checkpoints: tuple[int, ...]
     grad_ys: bool
 
@@ -69,6 +72,7 @@ def programs(draw, max_steps: int = 24) -> Program:
         extra_xs=tuple(draw(st.lists(values, max_size=2))),
         weights_as_xs=draw(st.booleans()),
         strategy=draw(st.sampled_from(STRATEGIES)),
+        budget=draw(st.sampled_from([0.05, 0.2, 0.5, 0.9, 1.5])),
         checkpoints=tuple(draw(st.lists(st.one_of(computed, values), max_size=8))),
         grad_ys=draw(st.booleans()),
     )

@@ -1,6 +1,7 @@
 """Bad input gets a clear, early error naming what is wrong; tf.gradients options pass through."""
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -36,8 +37,25 @@ def test_eager_call_says_to_use_a_graph():
 def test_unknown_strategy_lists_the_known_ones():
     with tf.Graph().as_default():
         _, ws, _, loss = chain()
-        with pytest.raises(ValueError, match=r"'fast'.*\['collection', 'memory', 'speed'\]"):
+        with pytest.raises(
+            ValueError, match=r"'fast'.*\['balanced', 'collection', 'memory', 'speed'\]"
+        ):
             msg.gradients(loss, ws, checkpoints="fast")
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, "0.3", None, True])
+def test_memory_budget_refuses_what_is_no_positive_fraction(fraction):
+    expected = rf"MemoryBudget.*above 0.*got {re.escape(repr(fraction))}"
+    with pytest.raises(ValueError, match=expected):
+        msg.MemoryBudget(fraction)
+
+
+def test_memory_budget_too_small_to_meet_is_logged(caplog):
+    with tf.Graph().as_default():
+        _, ws, _, loss = chain()
+        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+        msg.gradients(loss, ws, checkpoints=msg.MemoryBudget(0.001))
+    assert "No checkpoints fit MemoryBudget(fraction=0.001)" in caplog.text
 
 
 def test_checkpoint_that_is_an_operation_says_which_output_to_pass():

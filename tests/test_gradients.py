@@ -14,7 +14,7 @@ from tests.helpers import (
     gradients_in_session,
 )
 
-STRATEGIES = ["memory", "speed", "collection", "list"]
+STRATEGIES = ["memory", "balanced", "speed", "collection", "list"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.profiling import peak_memory
+from tests.helpers import recomputed_copies
 
 tf1 = tf.compat.v1
 MB = 250_000
@@ -91,6 +92,29 @@ def test_memory_strategy_keeps_about_sqrt_2n(n, residual):
     assert (
         shrinking_segments_peak(n) - SLACK_MB <= peak <= shrinking_segments_peak(n) + 1 + SLACK_MB
     )
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_memory_budget_fits_and_recomputes_less_than_memory(fraction):
+    n = 40
+    peak = chain_gradient_peak_mb(n, msg.MemoryBudget(fraction))
+    assert peak <= fraction * n + 1 + SLACK_MB
+    assert peak > chain_gradient_peak_mb(n, "memory") + 1
+
+    def recomputed_tanh(checkpoints) -> int:
+        with tf.Graph().as_default() as graph:
+            start, nodes = chain(n)
+            msg.gradients(tf.reduce_sum(nodes[-1]), start, checkpoints=checkpoints)
+        return sum(op.type == "Tanh" for op in recomputed_copies(graph))
+
+    # Everything before the last segment is recomputed. With k checkpoints in a budget of B
+    # outputs, the last segment holds B - k, and the k segments before it at most B, B - 1, ...
+    budget = round(fraction * n)
+    last = max(
+        budget - k for k in range(budget) if sum(budget - j for j in range(k)) >= n - (budget - k)
+    )
+    assert recomputed_tanh(msg.MemoryBudget(fraction)) == pytest.approx(n - last, abs=1)
+    assert recomputed_tanh(msg.MemoryBudget(fraction)) < recomputed_tanh("memory")
 
 
 def test_collection_checkpoints_save_like_a_list():

@@ -45,6 +45,30 @@ def test_cuts_within_a_peak_match_brute_force(seed):
     assert cut_bytes[cuts].sum() == min(cut_bytes[list(c)].sum() for c in feasible)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_cuts_with_the_longest_last_segment_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    held = rng.integers(0, 6, n).astype(float)
+    cut_bytes = rng.integers(1, 4, n - 1).astype(float)
+    peak = float(rng.integers(held.max(), held.sum() + 1))
+    feasible = [c for c in all_cut_sets(n) if peak_of(held, cut_bytes, c) <= peak]
+    cuts = planner._cuts_within(held, cut_bytes, peak, longest_last_segment=True)
+    if not feasible:
+        assert cuts is None
+        return
+
+    def last_start(c):
+        return c[-1] + 1 if c else 0
+
+    earliest = min(last_start(c) for c in feasible)
+    assert cuts is not None and peak_of(held, cut_bytes, cuts) <= peak
+    assert last_start(cuts) == earliest
+    assert cut_bytes[cuts].sum() == min(
+        cut_bytes[list(c)].sum() for c in feasible if last_start(c) == earliest
+    )
+
+
 def chain_view(n, width=100):
     x = tf1.placeholder(tf.float32, [width])
     h = x
@@ -64,6 +88,34 @@ def test_chain_plan_keeps_about_sqrt_2n_in_shrinking_segments(n):
     gaps = np.diff(positions)
     assert all(gaps[:-1] >= gaps[1:]), positions
     assert plan.estimated_peak < 2 * math.sqrt(n) / n * plan.estimated_peak_without_checkpoints
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+def test_budget_plan_fits_and_starts_its_last_segment_earlier(fraction):
+    with tf.Graph().as_default():
+        view = chain_view(64)
+        smallest = planner.plan_checkpoints(view)
+        budget = planner.plan_checkpoints(view, peak_fraction=fraction)
+    assert budget.estimated_peak <= fraction * budget.estimated_peak_without_checkpoints
+
+    def last_checkpoint(plan):
+        return max(int(t.op.name.split("_")[-1]) if "_" in t.op.name else 0
+                   for t in plan.checkpoints)  # fmt: skip
+
+    assert last_checkpoint(budget) < last_checkpoint(smallest)
+
+
+def test_budget_below_the_smallest_peak_gets_the_smallest_peak_plan():
+    with tf.Graph().as_default():
+        view = chain_view(64)
+        smallest = planner.plan_checkpoints(view)
+        budget = planner.plan_checkpoints(view, peak_fraction=0.01)
+    assert budget == smallest
+
+
+def test_budget_of_plain_backprop_recomputes_nothing():
+    with tf.Graph().as_default():
+        assert planner.plan_checkpoints(chain_view(64), peak_fraction=1.0).checkpoints == ()
 
 
 def test_tiny_graph_gets_no_plan():
