@@ -67,7 +67,7 @@ def memory(view: ForwardView) -> list[tf.Tensor]:
     return list(plan.checkpoints)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class MemoryBudget:
     """Checkpoints that recompute as little as possible while the estimated peak of the
     backward pass stays within `fraction` of what plain backprop holds.
@@ -88,6 +88,9 @@ class MemoryBudget:
                 f"MemoryBudget takes a fraction of plain backprop's peak above 0 (e.g. 0.3), "
                 f"got {self.fraction!r}."
             )
+
+    def __repr__(self) -> str:
+        return f"MemoryBudget({self.fraction:.3g})"
 
     def choose(self, view: ForwardView) -> list[tf.Tensor]:
         """The checkpoints for `view`."""

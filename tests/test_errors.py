@@ -55,7 +55,7 @@ def test_memory_budget_too_small_to_meet_is_logged(caplog):
         _, ws, _, loss = chain()
         caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
         msg.gradients(loss, ws, checkpoints=msg.MemoryBudget(0.001))
-    assert "No checkpoints fit MemoryBudget(fraction=0.001)" in caplog.text
+    assert "No checkpoints fit MemoryBudget(0.001)" in caplog.text
 
 
 def test_checkpoint_that_is_an_operation_says_which_output_to_pass():
