@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.profiling import peak_memory
-from tests.helpers import assert_recomputes
+from tests.helpers import assert_recomputes, recomputed_copies
 
 tf1 = tf.compat.v1
 LOGGER = "memory_saving_gradients"
@@ -167,21 +167,36 @@ def dense_chain(depth: int = 24, width: int = 512) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(1)(h))
 
 
-def train_step_peak_mib(enabled: bool) -> float:
-    model = compiled(dense_chain, enabled)
+def train_step_peak_mib(enabled: bool, checkpoints="memory") -> tuple[float, int]:
+    """Peak MiB of one train step of `dense_chain`, and how many ops its graph recomputes."""
+    model = compiled(dense_chain, enabled, checkpoints)
+    graphs = recorded_graphs(model)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2048, 512)).astype("f4")
     y = rng.standard_normal((2048, 1)).astype("f4")
-    return peak_memory(lambda: model.train_on_batch(x, y)) / 2**20
+    peak = peak_memory(lambda: model.train_on_batch(x, y)) / 2**20
+    return peak, len(recomputed_copies(graphs[-1]))
 
 
 def test_train_step_peak_memory_is_lower():
     """24 tanh layers of 2048 x 512 float32 (4 MiB each): plain backprop holds every layer's
     output, 102 to 110 MiB at its peak above the weights (measured, TensorFlow 2.21 on CPU);
-    checkpointed, 38 to 42 MiB: six checkpoints and the segment being recomputed, plus the
+    checkpointed, 38 to 45 MiB: six checkpoints and the segment being recomputed, plus the
     weight gradients (1 MiB each), which Keras applies all at once at the end."""
-    plain, checkpointed = train_step_peak_mib(False), train_step_peak_mib(True)
+    (plain, _), (checkpointed, _) = train_step_peak_mib(False), train_step_peak_mib(True)
     assert checkpointed < 0.5 * plain, (checkpointed, plain)
+
+
+def test_balanced_train_step_recomputes_less_within_its_budget():
+    """'balanced' may hold a third of plain backprop's estimated peak (the 24 layers' 96 MiB)
+    and recomputes less than 'memory' for it. Measured, with the weight gradients: 42 MiB
+    against 44 to 45 MiB for 'memory', whose smaller activation peak is hidden under the weight
+    gradients Keras holds until the end."""
+    plain, _ = train_step_peak_mib(False)
+    balanced, balanced_recomputed = train_step_peak_mib(True, "balanced")
+    _, memory_recomputed = train_step_peak_mib(True, "memory")
+    assert balanced < 0.5 * plain, (balanced, plain)
+    assert 0 < balanced_recomputed < memory_recomputed
 
 
 def test_run_eagerly_warns_and_trains_as_plain(caplog):

@@ -82,7 +82,7 @@ def model_gradients(name: str, checkpoints):
     return step(x)
 
 
-@pytest.mark.parametrize("checkpoints", ["memory", "speed"])
+@pytest.mark.parametrize("checkpoints", ["memory", "speed", msg.MemoryBudget(0.5)], ids=str)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_gradients_equal_tf_gradient_tape(name, checkpoints):
     reference, got = model_gradients(name, checkpoints)
