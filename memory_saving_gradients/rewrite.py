@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 from collections.abc import Callable, Sequence
 
@@ -41,6 +42,8 @@ from memory_saving_gradients import _tf, editor, graph
 from memory_saving_gradients.view import ForwardView
 
 Gradient = tf.Tensor | tf.IndexedSlices
+
+logger = logging.getLogger("memory_saving_gradients")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +143,49 @@ class _Backprop:
         return _Parts(xs_parts, frozenset(graph_.get_operations()[first_new:]))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """The boundaries, the segment behind each boundary op, and the order of backprop: boundary
+    ops in levels, each level's segments only reading boundaries of earlier levels."""
+
+    view: ForwardView
+    boundaries: dict[object, tf.Tensor]
+    segments: dict[tf.Operation, _Segment]
+    levels: list[set[tf.Operation]]
+
+    @classmethod
+    def build(cls, view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> _Schedule:
+        boundaries = _boundaries(view, [*checkpoints, *view.must_keep])
+        segments = {
+            op: _Segment.behind([op], view, lambda t: t.ref() in boundaries)
+            for op in {t.op for t in boundaries.values()}
+        }
+        dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
+        return cls(view, boundaries, segments, list(toposort(dependencies)))
+
+    def is_boundary(self, tensor: tf.Tensor) -> bool:
+        return tensor.ref() in self.boundaries
+
+    def ops_recomputed_repeatedly(self) -> set[tf.Operation]:
+        """Ops in the segments of several levels: each of those levels recomputes them."""
+        seen: set[tf.Operation] = set()
+        repeated: set[tf.Operation] = set()
+        for level in self.levels:
+            ops = set().union(*(self.segments[op].ops for op in level))
+            repeated |= ops & seen
+            seen |= ops
+        return repeated
+
+
+def ops_recomputed_repeatedly(
+    view: ForwardView, checkpoints: Sequence[tf.Tensor]
+) -> set[tf.Operation]:
+    """The ops that backprop with `checkpoints` would recompute more than once. Each path not
+    cut by a checkpoint is recomputed by every segment behind it (the skip path of a residual
+    network kept only at its convolutions)."""
+    return _Schedule.build(view, checkpoints).ops_recomputed_repeatedly()
+
+
 def checkpointed_gradients(
     view: ForwardView,
     checkpoints: Sequence[tf.Tensor],
@@ -148,21 +194,16 @@ def checkpointed_gradients(
 ) -> list[Gradient | None]:
     """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
     `checkpoints` and the view's `must_keep` from the forward pass."""
-    boundaries = _boundaries(view, [*checkpoints, *view.must_keep])
-
-    def is_boundary(tensor: tf.Tensor) -> bool:
-        return tensor.ref() in boundaries
-
-    boundary_ops = {t.op for t in boundaries.values()}
-    segments = {op: _Segment.behind([op], view, is_boundary) for op in boundary_ops}
-    levels = list(toposort({op: {t.op for t in s.frontier} for op, s in segments.items()}))
+    schedule = _Schedule.build(view, checkpoints)
+    _report_repeated_recomputation(schedule)
+    is_boundary, segments = schedule.is_boundary, schedule.segments
     user_stopped = {t.op for t in options.stop_gradients}
     backprop = _Backprop(view, options)
 
     with view.ys[0].graph.name_scope(options.name) as scope:
         ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
         previous = backprop.differentiate(view.ys, grad_ys, ys_segment.frontier, {})
-        for depth, level in enumerate(reversed(levels)):
+        for depth, level in enumerate(reversed(schedule.levels)):
             reached = [
                 t
                 for op in level
@@ -186,6 +227,19 @@ def checkpointed_gradients(
             previous = backprop.differentiate(copied, incoming, segment.frontier, copies)
 
     return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+
+
+def _report_repeated_recomputation(schedule: _Schedule) -> None:
+    repeated = schedule.ops_recomputed_repeatedly()
+    if repeated:
+        names = sorted(op.name for op in repeated)
+        logger.warning(
+            "%d ops are recomputed in several segments, e.g. %s: a path between checkpoints "
+            "is not cut by any checkpoint. Checkpoints on that path, or checkpoints='memory', "
+            "recompute each op once.",
+            len(names),
+            names[:3],
+        )
 
 
 def plain_gradients(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients.planner import Plan, plan_checkpoints
+from memory_saving_gradients.rewrite import ops_recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -47,13 +48,25 @@ def from_collection(view: ForwardView) -> list[tf.Tensor]:
 
 
 def speed(view: ForwardView) -> list[tf.Tensor]:
-    """Outputs of matmuls and convolutions: only cheap ops are recomputed."""
-    return [
-        out
+    """Outputs of matmuls and convolutions: only cheap ops are recomputed, each once.
+
+    Where a path escapes them (the skip path of a residual network), every segment behind it
+    would recompute it again, so the last ops of such paths are kept too.
+    """
+    kept = {
+        out.ref(): out
         for op in view.ops
         if op in view.recomputable and op.type in EXPENSIVE_OP_TYPES
         for out in op.outputs
-    ]
+    }
+    while repeated := ops_recomputed_repeatedly(view, list(kept.values())):
+        kept.update(
+            (out.ref(), out)
+            for op in repeated
+            for out in op.outputs
+            if any(reader not in repeated for reader in view.consumers(out))
+        )
+    return list(kept.values())
 
 
 def memory(view: ForwardView) -> list[tf.Tensor]:

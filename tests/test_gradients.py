@@ -1,5 +1,7 @@
 """Checkpointed gradients equal tf.gradients on every supported model and strategy."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -12,8 +14,10 @@ from tests.helpers import (
     assert_same_gradients,
     gradients_in_function,
     gradients_in_session,
+    recomputed_copies,
 )
 
+tf1 = tf.compat.v1
 STRATEGIES = ["memory", "balanced", "speed", "collection", "list"]
 
 
@@ -86,6 +90,61 @@ def test_convolution_checkpoints_in_a_residual_network():
     reference = step(tf.gradients)
     got = step(msg.gradients, checkpoints="speed")
     assert_same_gradients(reference, got)
+
+
+def residual_conv_net(blocks: int = 4):
+    """conv, batch-statistics normalisation, ReLU, conv, add, ReLU: the skip path has no conv."""
+    x = tf1.placeholder(tf.float32, [2, 8, 8, 4])
+    h = x
+    for i in range(blocks):
+        r = tf.nn.conv2d(h, tf.Variable(tf.random.normal([3, 3, 4, 4], seed=i)), 1, "SAME")
+        mean, variance = tf.nn.moments(r, [0, 1, 2])
+        r = tf.nn.relu(tf.nn.batch_normalization(r, mean, variance, None, None, 1e-3))
+        r = tf.nn.conv2d(r, tf.Variable(tf.random.normal([3, 3, 4, 4], seed=i + 9)), 1, "SAME")
+        h = tf.nn.relu(h + r, name=f"block{i}")
+    return x, tf.reduce_sum(tf.square(h))
+
+
+def recomputed_originals(graph: tf.Graph) -> list[str]:
+    """The name of the original of every recomputed copy (scope and recompute level dropped)."""
+    return [op.name.split("/recompute_")[1].split("/", 1)[1] for op in recomputed_copies(graph)]
+
+
+def test_speed_recomputes_each_op_once_on_a_residual_network(caplog):
+    """'speed' keeps the skip path where it leaves the convolutions' segments."""
+    with tf.Graph().as_default() as graph:
+        x, loss = residual_conv_net()
+        weights = tf1.trainable_variables()
+        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+        got = msg.gradients(loss, weights, checkpoints="speed")
+        reference = tf1.gradients(loss, weights)
+        recomputed = recomputed_originals(graph)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            feed = {x: np.random.default_rng(0).standard_normal((2, 8, 8, 4))}
+            assert_same_gradients(*session.run([reference, got], feed))
+    assert "recomputed in several segments" not in caplog.text
+    assert recomputed and len(recomputed) == len(set(recomputed))
+
+
+def test_checkpoints_leaving_a_path_uncut_are_reported(caplog):
+    """Kept only at its convolutions, the skip path is recomputed behind every one of them."""
+    with tf.Graph().as_default() as graph:
+        x, loss = residual_conv_net()
+        weights = tf1.trainable_variables()
+        convolutions = [op.outputs[0] for op in graph.get_operations() if op.type == "Conv2D"]
+        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+        got = msg.gradients(loss, weights, checkpoints=convolutions)
+        reference = tf1.gradients(loss, weights)
+        recomputed = recomputed_originals(graph)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            feed = {x: np.random.default_rng(0).standard_normal((2, 8, 8, 4))}
+            assert_same_gradients(*session.run([reference, got], feed))
+    assert "4 ops are recomputed in several segments, e.g. ['add', 'add_1', 'block0']" in (
+        caplog.text
+    )
+    assert len(recomputed) > len(set(recomputed))
 
 
 @pytest.mark.parametrize("strategy", ["memory", "speed"])
