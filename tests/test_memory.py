@@ -156,8 +156,10 @@ def test_patched_optimizer_minimize_saves_memory():
             return train_step()
 
     # Each weight's gradient sums a 1 MB product (upstream gradient times activation), so the
-    # optimizer step holds a few MB of gradient temporaries on top of the activations.
-    assert step_peak_mb(train_step) == pytest.approx(n + 2, abs=SLACK_MB)
+    # optimizer step holds a few MB of gradient temporaries on top of the activations. Plain
+    # TensorFlow's peak here is n + 2 MB in a fresh process, one MB less after some of the other
+    # tests ran in the same process (measured; it is TensorFlow's, not checkpointing's).
+    assert n + 1 - SLACK_MB <= step_peak_mb(train_step) <= n + 2 + SLACK_MB
     assert step_peak_mb(with_patch) == pytest.approx(shrinking_segments_peak(n) + 2, abs=SLACK_MB)
 
 
