@@ -57,6 +57,30 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     return copy
 
 
+def identity_like(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """An Identity of `tensor` placed like its producer, outside the caller's scopes."""
+    graph = tensor.graph
+    with (
+        graph.as_default(),
+        tf_ops.control_dependencies(None),
+        tf_ops.name_scope(None),
+        graph.colocate_with(None, ignore_existing=True),
+    ):
+        identity = graph._create_op_internal(
+            "Identity", [tensor], dtypes=[tensor.dtype], name=name, compute_device=False
+        )
+    identity._set_device(tensor.op.device)
+    output = identity.outputs[0]
+    output.set_shape(tensor.shape)
+    handle_data_util.copy_handle_data(tensor, output)
+    return output
+
+
+def is_differentiable(tensor: tf.Tensor) -> bool:
+    """Whether TensorFlow's gradient functions propagate gradients through `tensor`'s dtype."""
+    return backprop_util.IsTrainable(tensor)
+
+
 def add_control_inputs(op: tf.Operation, control_ops: Iterable[tf.Operation]) -> None:
     """Make `op` wait for every op in `control_ops` (those it already waits for are skipped)."""
     missing = [c for c in control_ops if c not in op.control_inputs]

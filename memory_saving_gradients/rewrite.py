@@ -1,8 +1,12 @@
 """Checkpointed backprop: differentiate the forward pass segment by segment, recomputing each.
 
-The boundaries are the checkpoints plus the view's `must_keep` tensors. Each call of
+The boundaries are the checkpoints plus the view's `must_keep` and `reused` tensors (what
+non-recomputed ops read from recomputed ones, and the other way round). Each call of
 TensorFlow's own gradient function differentiates one segment and stops at the boundaries it
-reaches (its `stop_gradients`), returning the gradient that arrives at each of them:
+reaches (its `stop_gradients`), returning the gradient that arrives at each of them. A
+segment's copies read private identities of its boundaries: TensorFlow's gradient call walks
+everything downstream of what it differentiates against, which for a boundary itself is the
+rest of the graph, so without them building took (segments x graph size).
 
 1. The ys are differentiated on the original forward ops, which are still in memory when the
    backward pass starts, down to the first boundaries.
@@ -10,8 +14,9 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
    of earlier levels. From the last level back, each level's segment is copied, and the
    copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
    reads no other copy waits (control input) for those incoming gradients, so the executor
-   recomputes a segment only when backprop reaches it, and for the xs' gradient parts of the
-   segment differentiated before, so those are done and free what they read. Without the
+   recomputes a segment only when backprop reaches it, and for the gradient parts of the
+   segment differentiated before that go to kept tensors (xs, variable reads), so those are
+   done and free what they read. Without the
    latter, parts nothing else waits for (a weight's, a bias's) may stay queued until the end
    of the backward pass, holding every tensor they read (seen with one inter-op thread, and
    with two tf.distribute replicas sharing two cores). Parts computed from the incoming
@@ -21,6 +26,8 @@ reaches (its `stop_gradients`), returning the gradient that arrives at each of t
    turns the wait into a cycle. The waits also keep TensorFlow's common subexpression
    elimination from merging a copy with its original.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
+   Ops that are not recomputed (variable reads) are differentiated as they ran, at their own
+   level: the reads of variables, which read nothing recomputed, all in the last call.
 
 Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
 no ops and needs no copy for the last segment. It stops whole ops, so a boundary op keeps all
@@ -59,10 +66,17 @@ class GradientOptions:
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """The recomputable ops differentiated after some seeds, and the boundaries it stops at."""
+    """The ops differentiated after some seeds, and the boundaries and xs it stops at.
+
+    Its recomputable `ops` are copied; the others (`originals`) are differentiated as they ran.
+    Outputs of non-recomputable ops that recomputable ops read are boundaries, so a segment
+    behind a checkpoint holds recomputable ops only.
+    """
 
     ops: frozenset[tf.Operation]
+    originals: frozenset[tf.Operation]
     frontier: tuple[tf.Tensor, ...]
+    xs: tuple[tf.Tensor, ...]
 
     @classmethod
     def behind(
@@ -70,16 +84,60 @@ class _Segment:
     ) -> _Segment:
         reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
         frontier = {t.ref(): t for op in reached for t in op.inputs if is_boundary(t)}
-        return cls(reached & view.recomputable, tuple(frontier.values()))
+        xs = {x.ref() for x in view.xs}
+        read_xs = {
+            t.ref(): t
+            for op in reached
+            for t in op.inputs
+            if t.ref() in xs and t.ref() not in frontier
+        }
+        recomputed = reached & view.recomputable
+        return cls(
+            recomputed, reached - recomputed, tuple(frontier.values()), tuple(read_xs.values())
+        )
 
     def __or__(self, other: _Segment) -> _Segment:
         frontier = {t.ref(): t for t in (*self.frontier, *other.frontier)}
-        return _Segment(self.ops | other.ops, tuple(frontier.values()))
+        xs = {t.ref(): t for t in (*self.xs, *other.xs)}
+        return _Segment(
+            self.ops | other.ops,
+            self.originals | other.originals,
+            tuple(frontier.values()),
+            tuple(xs.values()),
+        )
+
+    def targets(self, scope: str) -> tuple[list[_Target], dict[object, tf.Tensor]]:
+        """What the segment's gradient call differentiates against, and the inputs its copies
+        read in place of boundaries: a private identity of each boundary a copy reads, so that
+        TensorFlow's gradient call, which walks everything downstream of its targets, walks
+        this segment only and not the whole graph after each boundary."""
+        targets, private = [], {}
+        for tensor in self.frontier:
+            readers = set(tensor.consumers())
+            if readers & self.ops and _tf.is_differentiable(tensor):
+                private[tensor.ref()] = editor.private_input(tensor, scope)
+                targets.append(_Target(private[tensor.ref()], tensor))
+            if readers & self.originals or (readers & self.ops and tensor.ref() not in private):
+                targets.append(_Target(tensor, tensor))
+        targets.extend(_Target(x, x, stops=False) for x in self.xs)
+        return targets, private
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """A tensor a gradient call differentiates against, whose gradient that gives, and whether
+    backprop stops there: at boundaries, which the segments before take on from there; other
+    xs, as in `tf.gradients`, let it pass."""
+
+    tensor: tf.Tensor
+    gradient_of: tf.Tensor
+    stops: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class _Parts:
-    """The xs' gradient parts one segment's backprop found, and the ops it made for them."""
+    """The gradient parts for kept tensors (xs, variable reads) one segment's backprop found,
+    and the ops it made for them."""
 
     gradients: list[Gradient]
     made: frozenset[tf.Operation]
@@ -121,26 +179,30 @@ class _Backprop:
         self,
         ys: Sequence[tf.Tensor],
         grad_ys: Sequence[Gradient | None] | None,
-        frontier: Sequence[tf.Tensor],
+        targets: Sequence[_Target],
         copies: dict[tf.Operation, tf.Operation],
     ) -> _Parts:
-        """Backprop `grad_ys` from `ys` into the `frontier` boundaries and xs, keeping the parts.
+        """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found.
 
-        The user's stop_gradients stop their copies too. Returns the xs' parts found.
+        The user's stop_gradients stop their copies too. Returns the parts for tensors that
+        are not recomputed (xs, variable reads), which no later segment waits for.
         """
         user_stops = self.options.stop_gradients
         copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
-        targets = [*frontier, *self.view.xs]
+        tensors = [target.tensor for target in targets]
+        stops = [target.tensor for target in targets if target.stops]
         graph_ = ys[0].graph
         first_new = len(graph_.get_operations())
         gradients = _tensorflow_gradients(
-            ys, targets, grad_ys, [*frontier, *user_stops, *copied_stops], self.options, "segment"
+            ys, tensors, grad_ys, [*stops, *user_stops, *copied_stops], self.options, "segment"
         )
+        kept_parts = []
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
-                self._parts.setdefault(target.ref(), []).append(gradient)
-        xs_parts = [g for g in gradients[len(frontier) :] if g is not None]
-        return _Parts(xs_parts, frozenset(graph_.get_operations()[first_new:]))
+                self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
+                if target.gradient_of.op not in self.view.recomputable:
+                    kept_parts.append(gradient)
+        return _Parts(kept_parts, frozenset(graph_.get_operations()[first_new:]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +217,7 @@ class _Schedule:
 
     @classmethod
     def build(cls, view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> _Schedule:
-        boundaries = _boundaries(view, [*checkpoints, *view.must_keep])
+        boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
         segments = {
             op: _Segment.behind([op], view, lambda t: t.ref() in boundaries)
             for op in {t.op for t in boundaries.values()}
@@ -202,7 +264,13 @@ def checkpointed_gradients(
 
     with view.ys[0].graph.name_scope(options.name) as scope:
         ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
-        previous = backprop.differentiate(view.ys, grad_ys, ys_segment.frontier, {})
+        frontier = {t.ref() for t in ys_segment.frontier}
+        other_xs = [x for x in view.xs if x.ref() not in frontier]
+        ys_targets = [
+            *(_Target(t, t) for t in ys_segment.frontier),
+            *(_Target(x, x, stops=is_boundary(x)) for x in other_xs),
+        ]
+        previous = backprop.differentiate(view.ys, grad_ys, ys_targets, {})
         for depth, level in enumerate(reversed(schedule.levels)):
             reached = [
                 t
@@ -214,17 +282,19 @@ def checkpointed_gradients(
             if not reached:
                 continue
             segment = functools.reduce(operator.or_, (segments[t.op] for t in reached))
+            targets, private = segment.targets(f"{scope}inputs_{depth}/")
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
-                scope=f"{scope}recompute_{depth}/",
+                f"{scope}recompute_{depth}/",
+                private,
             )
             incoming = [backprop.gradient(t) for t in reached]
             editor.add_control_inputs(
                 _first_copies(copies),
                 wait_for=[*_ops_of(incoming), *previous.not_computed_from(incoming)],
             )
-            copied = [copies[t.op].outputs[t.value_index] for t in reached]
-            previous = backprop.differentiate(copied, incoming, segment.frontier, copies)
+            ys = [copies[t.op].outputs[t.value_index] if t.op in copies else t for t in reached]
+            previous = backprop.differentiate(ys, incoming, targets, copies)
 
     return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
 

@@ -57,6 +57,8 @@ class ForwardView:
       recomputable: the ops of `ops` that a backward pass may run again.
       must_keep: outputs of recomputable ops that non-recomputable ops read. Gradients flow
         into the non-recomputable op as it ran, so these tensors are always kept.
+      reused: outputs of non-recomputable ops that recomputable ops read: recomputed copies
+        read them as they were computed.
     """
 
     ys: tuple[tf.Tensor, ...]
@@ -64,6 +66,7 @@ class ForwardView:
     ops: tuple[tf.Operation, ...]
     recomputable: frozenset[tf.Operation]
     must_keep: tuple[tf.Tensor, ...]
+    reused: tuple[tf.Tensor, ...]
 
     @classmethod
     def build(cls, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardView:
@@ -72,6 +75,7 @@ class ForwardView:
         between = graph.forward_ops(xs, within=reaching_ys)
         ordered = graph.topological_order(between)
         xs_ops = frozenset(x.op for x in xs)
+        xs_refs = {x.ref() for x in xs}
         recomputable = set()
         for op in ordered:
             reason = why_not_recomputable(op, xs_ops)
@@ -86,12 +90,20 @@ class ForwardView:
             for t in op.inputs
             if t.op in recomputable
         }
+        reused = {
+            t.ref(): t
+            for op in ordered
+            if op in recomputable
+            for t in op.inputs
+            if t.op not in recomputable and (t.op in between or t.ref() in xs_refs)
+        }
         return cls(
             ys=tuple(ys),
             xs=tuple(xs),
             ops=tuple(ordered),
             recomputable=frozenset(recomputable),
             must_keep=tuple(must_keep.values()),
+            reused=tuple(reused.values()),
         )
 
     @cached_property

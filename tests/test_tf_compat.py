@@ -54,6 +54,33 @@ def test_copy_op_keeps_the_gradient_override_of_custom_gradients():
         np.testing.assert_array_equal(run(gradient), [7.0, 7.0])
 
 
+def test_identity_like_is_placed_like_its_input_outside_the_callers_scopes():
+    with tf.Graph().as_default():
+        v = tf.Variable(tf.zeros([2]))
+        with tf.device("/cpu:0"):
+            x = tf1.placeholder(tf.float32, [None, 3])
+        with tf.device("/device:CPU:1"), tf1.control_dependencies([v.op]), tf.name_scope("s"):
+            identity = _tf.identity_like(x, name="private/x")
+            handle = _tf.identity_like(v.handle, name="private/handle")
+        assert identity.op.type == "Identity" and identity.op.name == "private/x"
+        assert identity.op.device == x.op.device
+        assert identity.op.control_inputs == []
+        assert identity.shape.as_list() == [None, 3]
+        assert handle.dtype == tf.resource
+        read = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
+        assert read.shape.as_list() == [2]  # the handle's data (shape, dtype) came along
+        np.testing.assert_array_equal(run(identity, {x: np.ones((1, 3))}), np.ones((1, 3)))
+
+
+def test_is_differentiable():
+    with tf.Graph().as_default():
+        assert _tf.is_differentiable(tf.constant(1.0))
+        assert _tf.is_differentiable(tf.constant(1.0, tf.complex64))
+        assert _tf.is_differentiable(tf.Variable(1.0).handle)
+        assert not _tf.is_differentiable(tf.constant(1))
+        assert not _tf.is_differentiable(tf.constant("a"))
+
+
 def test_add_control_inputs_skips_existing_ones():
     with tf.Graph().as_default():
         a, b = tf.constant(1.0), tf.constant(2.0)
