@@ -8,7 +8,8 @@ them here means a TensorFlow release that changes one breaks one function, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
 
@@ -26,6 +27,18 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops import gradients as gradients_module
 
 
+@contextlib.contextmanager
+def _outside_caller_scopes(graph: tf.Graph) -> Iterator[None]:
+    """Build ops in `graph` free of the caller's control-dependency, name and colocation scopes."""
+    with (
+        graph.as_default(),
+        tf_ops.control_dependencies(None),
+        tf_ops.name_scope(None),
+        graph.colocate_with(None, ignore_existing=True),
+    ):
+        yield
+
+
 def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Operation:
     """Create a copy of `op` reading `inputs`, with the same type, attributes, device and shapes.
 
@@ -33,12 +46,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     is in: it is placed exactly like the original. `name` is made unique by the graph.
     """
     graph = op.graph
-    with (
-        graph.as_default(),
-        tf_ops.control_dependencies(None),
-        tf_ops.name_scope(None),
-        graph.colocate_with(None, ignore_existing=True),
-    ):
+    with _outside_caller_scopes(graph):
         copy = graph._create_op_internal(
             op.type,
             list(inputs),
@@ -60,12 +68,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
 def identity_like(tensor: tf.Tensor, name: str) -> tf.Tensor:
     """An Identity of `tensor` placed like its producer, outside the caller's scopes."""
     graph = tensor.graph
-    with (
-        graph.as_default(),
-        tf_ops.control_dependencies(None),
-        tf_ops.name_scope(None),
-        graph.colocate_with(None, ignore_existing=True),
-    ):
+    with _outside_caller_scopes(graph):
         identity = graph._create_op_internal(
             "Identity", [tensor], dtypes=[tensor.dtype], name=name, compute_device=False
         )

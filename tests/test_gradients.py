@@ -110,37 +110,38 @@ def recomputed_originals(graph: tf.Graph) -> list[str]:
     return [op.name.split("/recompute_")[1].split("/", 1)[1] for op in recomputed_copies(graph)]
 
 
-def test_speed_recomputes_each_op_once_on_a_residual_network(caplog):
-    """'speed' keeps the skip path where it leaves the convolutions' segments."""
+def residual_conv_net_recomputation(checkpoints) -> list[str]:
+    """Check the checkpointed gradients of `residual_conv_net` against tf.gradients; return
+    the originals of the recomputed ops. `checkpoints` may be a function of the graph."""
     with tf.Graph().as_default() as graph:
         x, loss = residual_conv_net()
         weights = tf1.trainable_variables()
-        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
-        got = msg.gradients(loss, weights, checkpoints="speed")
+        chosen = checkpoints(graph) if callable(checkpoints) else checkpoints
+        got = msg.gradients(loss, weights, checkpoints=chosen)
         reference = tf1.gradients(loss, weights)
-        recomputed = recomputed_originals(graph)
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             feed = {x: np.random.default_rng(0).standard_normal((2, 8, 8, 4))}
             assert_same_gradients(*session.run([reference, got], feed))
+        return recomputed_originals(graph)
+
+
+def test_speed_recomputes_each_op_once_on_a_residual_network(caplog):
+    """'speed' keeps the skip path where it leaves the convolutions' segments."""
+    caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+    recomputed = residual_conv_net_recomputation("speed")
     assert "recomputed in several segments" not in caplog.text
     assert recomputed and len(recomputed) == len(set(recomputed))
 
 
 def test_checkpoints_leaving_a_path_uncut_are_reported(caplog):
     """Kept only at its convolutions, the skip path is recomputed behind every one of them."""
-    with tf.Graph().as_default() as graph:
-        x, loss = residual_conv_net()
-        weights = tf1.trainable_variables()
-        convolutions = [op.outputs[0] for op in graph.get_operations() if op.type == "Conv2D"]
-        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
-        got = msg.gradients(loss, weights, checkpoints=convolutions)
-        reference = tf1.gradients(loss, weights)
-        recomputed = recomputed_originals(graph)
-        with tf1.Session() as session:
-            session.run(tf1.global_variables_initializer())
-            feed = {x: np.random.default_rng(0).standard_normal((2, 8, 8, 4))}
-            assert_same_gradients(*session.run([reference, got], feed))
+
+    def convolutions(graph):
+        return [op.outputs[0] for op in graph.get_operations() if op.type == "Conv2D"]
+
+    caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
+    recomputed = residual_conv_net_recomputation(convolutions)
     assert "4 ops are recomputed in several segments, e.g. ['add', 'add_1', 'block0']" in (
         caplog.text
     )

@@ -29,14 +29,20 @@ def all_cut_sets(n):
     return itertools.chain.from_iterable(itertools.combinations(range(n - 1), r) for r in range(n))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_cuts_within_a_peak_match_brute_force(seed):
+def random_costs(seed):
+    """Random held bytes, cut costs and peak, and every cut set meeting that peak."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 9))
     held = rng.integers(0, 6, n).astype(float)
     cut_bytes = rng.integers(1, 4, n - 1).astype(float)
     peak = float(rng.integers(held.max(), held.sum() + 1))
     feasible = [c for c in all_cut_sets(n) if peak_of(held, cut_bytes, c) <= peak]
+    return held, cut_bytes, peak, feasible
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cuts_within_a_peak_match_brute_force(seed):
+    held, cut_bytes, peak, feasible = random_costs(seed)
     cuts = planner._cuts_within(held, cut_bytes, peak)
     if not feasible:
         assert cuts is None
@@ -47,12 +53,7 @@ def test_cuts_within_a_peak_match_brute_force(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_cuts_with_the_longest_last_segment_match_brute_force(seed):
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(2, 9))
-    held = rng.integers(0, 6, n).astype(float)
-    cut_bytes = rng.integers(1, 4, n - 1).astype(float)
-    peak = float(rng.integers(held.max(), held.sum() + 1))
-    feasible = [c for c in all_cut_sets(n) if peak_of(held, cut_bytes, c) <= peak]
+    held, cut_bytes, peak, feasible = random_costs(seed)
     cuts = planner._cuts_within(held, cut_bytes, peak, longest_last_segment=True)
     if not feasible:
         assert cuts is None
