@@ -106,11 +106,11 @@ class _Segment:
             tuple(xs.values()),
         )
 
-    def targets(self, scope: str) -> tuple[list[_Target], dict[object, tf.Tensor]]:
+    def make_targets(self, scope: str) -> tuple[list[_Target], dict[object, tf.Tensor]]:
         """What the segment's gradient call differentiates against, and the inputs its copies
-        read in place of boundaries: a private identity of each boundary a copy reads, so that
-        TensorFlow's gradient call, which walks everything downstream of its targets, walks
-        this segment only and not the whole graph after each boundary."""
+        read in place of boundaries: a private identity (made in `scope`) of each boundary a
+        copy reads, so that TensorFlow's gradient call, which walks everything downstream of
+        its targets, walks this segment only and not the whole graph after each boundary."""
         targets, private = [], {}
         for tensor in self.frontier:
             readers = set(tensor.consumers())
@@ -210,7 +210,6 @@ class _Schedule:
     """The boundaries, the segment behind each boundary op, and the order of backprop: boundary
     ops in levels, each level's segments only reading boundaries of earlier levels."""
 
-    view: ForwardView
     boundaries: dict[object, tf.Tensor]
     segments: dict[tf.Operation, _Segment]
     levels: list[set[tf.Operation]]
@@ -223,7 +222,7 @@ class _Schedule:
             for op in {t.op for t in boundaries.values()}
         }
         dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
-        return cls(view, boundaries, segments, list(toposort(dependencies)))
+        return cls(boundaries, segments, list(toposort(dependencies)))
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
@@ -255,7 +254,8 @@ def checkpointed_gradients(
     options: GradientOptions,
 ) -> list[Gradient | None]:
     """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
-    `checkpoints` and the view's `must_keep` from the forward pass."""
+    `checkpoints` and what the view keeps anyway (`must_keep`, `reused`) from the forward
+    pass."""
     schedule = _Schedule.build(view, checkpoints)
     _report_repeated_recomputation(schedule)
     is_boundary, segments = schedule.is_boundary, schedule.segments
@@ -282,7 +282,7 @@ def checkpointed_gradients(
             if not reached:
                 continue
             segment = functools.reduce(operator.or_, (segments[t.op] for t in reached))
-            targets, private = segment.targets(f"{scope}inputs_{depth}/")
+            targets, private = segment.make_targets(f"{scope}inputs_{depth}/")
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
                 f"{scope}recompute_{depth}/",
