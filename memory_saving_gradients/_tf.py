@@ -14,11 +14,13 @@ from types import ModuleType
 from typing import Literal, NamedTuple
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
     control_flow_util,
     default_gradient,
+    gen_array_ops,
     gradients_impl,
     gradients_util,
     handle_data_util,
@@ -65,18 +67,68 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     return copy
 
 
-def identity_like(tensor: tf.Tensor, name: str) -> tf.Tensor:
-    """An Identity of `tensor` placed like its producer, outside the caller's scopes."""
-    graph = tensor.graph
-    with _outside_caller_scopes(graph):
-        identity = graph._create_op_internal(
-            "Identity", [tensor], dtypes=[tensor.dtype], name=name, compute_device=False
+def gate(
+    tensors: Sequence[tf.Tensor], waits: Sequence[tf.Tensor], scope: str
+) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """`tensors`, each passed on, placed like it, once all of `tensors` and `waits` exist.
+    Returns the passed tensors and what later ops are to read in place of `waits`.
+
+    Outside XLA a tensor passes through a StridedSlice of its whole extent (no copy) starting
+    at a zero computed, at run time, from one element of each of `tensors` and made after
+    `waits` (control dependencies, so the executor has nothing of ours to run when one of
+    `waits` is done, and runs its readers). Graph optimizers can neither fold that zero nor
+    drop the dependency, as they drop identities, IdentityN outputs nobody reads and reshapes
+    to a known shape. XLA needs static slices, ignores control dependencies and merges
+    identical computations: inside an XLA-compiled function `tensors` and `waits` go through
+    one optimization barrier, which XLA neither moves computation across nor merges.
+    """
+    graph = tensors[0].graph
+    with _outside_caller_scopes(graph), tf_ops.name_scope(scope):
+        if compiled_by_xla(graph):
+            with graph.device(tensors[0].op.device):
+                outputs = gen_xla_ops.xla_optimization_barrier([*tensors, *waits])
+            gated, waits = outputs[: len(tensors)], outputs[len(tensors) :]
+        else:
+            with graph.device(tensors[-1].op.device), tf_ops.control_dependencies(waits):
+                zero = _zero_computed_from(tensors)
+            gated = [_passed_after(tensor, zero) for tensor in tensors]
+    for tensor, output in zip(tensors, gated, strict=True):
+        output.set_shape(tensor.shape)
+        handle_data_util.copy_handle_data(tensor, output)
+    return list(gated), list(waits)
+
+
+def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """An int64 zero computed from the first element of each of `tensors`."""
+    numbers = [t for t in tensors if t.dtype not in (tf.resource, tf.variant, tf.string)]
+    if not numbers:
+        with tf_ops.control_dependencies([t.op for t in tensors]):
+            return tf.identity(tf.constant(0, tf.int64), name="zero")
+    firsts = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in numbers]
+    first = tf.reduce_max(tf.concat(firsts, axis=0))
+    nan = tf.math.is_nan(first)
+    return tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64, name="zero")
+
+
+def _passed_after(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """`tensor`, read once `zero` exists: a whole-extent slice where slicing applies (it hands
+    on the same buffer), an identity waiting for `zero` otherwise (resources, variants)."""
+    with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
+        if tensor.dtype in (tf.resource, tf.variant):
+            with tf_ops.control_dependencies([zero]):
+                return gen_array_ops.identity(tensor)
+        end = tf.shape(tensor, out_type=tf.int64)
+        return gen_array_ops.strided_slice(
+            tensor, tf.zeros_like(end) + zero, end, tf.ones_like(end)
         )
-    identity._set_device(tensor.op.device)
-    output = identity.outputs[0]
-    output.set_shape(tensor.shape)
-    handle_data_util.copy_handle_data(tensor, output)
-    return output
+
+
+def is_function_call(op: tf.Operation) -> bool:
+    """Whether `op` calls a function of the graph's library (a nested `tf.function`, a Keras
+    layer called as one, a `Defun`)."""
+    return op.type in ("PartitionedCall", "StatefulPartitionedCall") or op.graph._is_function(
+        op.type
+    )
 
 
 def is_differentiable(tensor: tf.Tensor) -> bool:
@@ -123,13 +175,18 @@ def tensorflow_gradients(
     gate_gradients: bool,
     aggregation_method,
     stop_gradients: Sequence[tf.Tensor],
+    boundaries: Sequence[tf.Tensor] = (),
 ) -> list:
     """TensorFlow's own `tf.gradients`, reached even while `tf.gradients` is patched.
 
+    Backprop also stops at `boundaries`: they receive gradients, their producers pass none
+    on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below).
     Unconnected xs get None so that the caller can tell them apart from zero gradients.
     """
     graph = ys[0].graph
-    with graph._mutation_lock():
+    calls = [op for op in dict.fromkeys(t.op for t in boundaries) if is_function_call(op)]
+    stops = [*stop_gradients, *(t for t in boundaries if t.op not in calls)]
+    with graph._mutation_lock(), _passing_no_gradient(calls):
         return gradients_util._GradientsHelper(
             ys,
             xs,
@@ -138,9 +195,31 @@ def tensorflow_gradients(
             colocate_gradients_with_ops,
             gate_gradients,
             aggregation_method,
-            stop_gradients,
+            stops,
             tf.UnconnectedGradients.NONE,
         )
+
+
+# NOTE [function calls in stop_gradients]: TensorFlow's gradient code differentiates a
+# function-call op listed in stop_gradients all the same (it falls back to a
+# SymbolicGradient of the call), so gradients flow on past it. A checkpointed backward pass
+# stops at every boundary and differentiates what lies behind it later, so a boundary made by
+# a call op would be crossed twice: twice the gradient. Such an op is given a gradient
+# function that passes nothing on while TensorFlow differentiates, which stops backprop there.
+@contextlib.contextmanager
+def _passing_no_gradient(ops: Sequence[tf.Operation]) -> Iterator[None]:
+    saved = [(op, op._gradient_function) for op in ops]
+    for op in ops:
+        op._gradient_function = _no_gradient
+    try:
+        yield
+    finally:
+        for op, function in saved:
+            op._gradient_function = function
+
+
+def _no_gradient(op: tf.Operation, *output_gradients) -> list[None]:
+    return [None] * len(op.inputs)
 
 
 def zero_gradient(x: tf.Tensor) -> tf.Tensor:

@@ -1,12 +1,12 @@
-"""Graph editing for TensorFlow 2: copy a set of ops and order the copies.
+"""Graph editing for TensorFlow 2: copy a set of ops.
 
 This is the part of TF1's `tf.contrib.graph_editor` that checkpointing needs. Copies are plain
-new ops of the same graph; nothing existing is modified except by `add_control_inputs`.
+new ops of the same graph; nothing existing is modified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
@@ -37,15 +37,3 @@ def copy_ops(
         _tf.add_control_inputs(copy, (copies.get(c, c) for c in op.control_inputs))
         copies[op] = copy
     return copies
-
-
-def private_input(tensor: tf.Tensor, scope: str) -> tf.Tensor:
-    """An identity of `tensor` (the same buffer, no copy) for some copies to read in its place,
-    placed like `tensor`; nothing else reads it."""
-    return _tf.identity_like(tensor, name=scope + tensor.op.name)
-
-
-def add_control_inputs(ops: Iterable[tf.Operation], wait_for: Sequence[tf.Operation]) -> None:
-    """Make every op of `ops` wait until all of `wait_for` have run."""
-    for op in ops:
-        _tf.add_control_inputs(op, wait_for)

@@ -1,61 +1,41 @@
-"""Checkpointed backprop: differentiate the forward pass segment by segment, recomputing each.
+"""Checkpointed backprop: differentiate the forward pass step by step, recomputing each segment.
 
-The boundaries are the checkpoints plus the view's `must_keep` and `reused` tensors (what
-non-recomputed ops read from recomputed ones, and the other way round). Each call of
-TensorFlow's own gradient function differentiates one segment and stops at the boundaries it
-reaches (its `stop_gradients`), returning the gradient that arrives at each of them. A
-segment's copies read private identities of its boundaries: TensorFlow's gradient call walks
-everything downstream of what it differentiates against, which for a boundary itself is the
-rest of the graph, so without them building took (segments x graph size).
+A `Schedule` gives the boundaries, the segments between them and the steps. Each call of
+TensorFlow's own gradient function differentiates one step and stops at the boundaries it
+reaches, returning the gradient that arrives at each of them.
 
 1. The ys are differentiated on the original forward ops, which are still in memory when the
    backward pass starts, down to the first boundaries.
-2. Boundary ops are grouped into levels, a level only reading (through its segment) boundaries
-   of earlier levels. From the last level back, each level's segment is copied, and the
-   copies' gradient is taken with the summed incoming gradients as `grad_ys`. Every copy that
-   reads no other copy waits (control input) for those incoming gradients, so the executor
-   recomputes a segment only when backprop reaches it, and for the gradient parts of the
-   segment differentiated before that go to kept tensors (xs, variable reads), so those are
-   done and free what they read. Without the
-   latter, parts nothing else waits for (a weight's, a bias's) may stay queued until the end
-   of the backward pass, holding every tensor they read (seen with one inter-op thread, and
-   with two tf.distribute replicas sharing two cores). Parts computed from the incoming
-   gradients are not waited for: they hold nothing the segment does not hold anyway, and
-   with oneDNN on, TensorFlow's graph optimizations merge such a part into this segment's op
-   reading the same gradient (a convolution's bias gradient into its filter gradient), which
-   turns the wait into a cycle. The waits also keep TensorFlow's common subexpression
-   elimination from merging a copy with its original.
+2. Then each step's segments are copied and the copies differentiated, with the summed
+   gradients arriving at its boundaries as `grad_ys`. The copies read the boundaries through
+   the step's gate (NOTE [gates]), so that the executor recomputes a segment only once
+   backprop reaches it. A gate is private to its step, so TensorFlow's gradient call, which
+   walks everything downstream of what it differentiates against, walks that step only.
 3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
-   Ops that are not recomputed (variable reads) are differentiated as they ran, at their own
-   level: the reads of variables, which read nothing recomputed, all in the last call.
-
-Stopping with `stop_gradients` rather than rerouting copies to `tf.stop_gradient` tensors adds
-no ops and needs no copy for the last segment. It stops whole ops, so a boundary op keeps all
-of its outputs that the forward pass reads as boundaries.
+   Ops that are not recomputed (variable reads) are differentiated as they ran, in the step
+   of their outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
-from toposort import toposort
 
-from memory_saving_gradients import _tf, editor, graph
+from memory_saving_gradients import _tf, editor
+from memory_saving_gradients.schedule import Schedule, Segment
 from memory_saving_gradients.view import ForwardView
 
 Gradient = tf.Tensor | tf.IndexedSlices
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class GradientOptions:
-    """The `tf.gradients` arguments passed on to every segment's gradient call."""
+    """The `tf.gradients` arguments passed on to every step's gradient call."""
 
     name: str = "gradients"
     colocate_gradients_with_ops: bool = True
@@ -65,69 +45,10 @@ class GradientOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Segment:
-    """The ops differentiated after some seeds, and the boundaries and xs it stops at.
-
-    Its recomputable `ops` are copied; the others (`originals`) are differentiated as they ran.
-    Outputs of non-recomputable ops that recomputable ops read are boundaries, so a segment
-    behind a checkpoint holds recomputable ops only.
-    """
-
-    ops: frozenset[tf.Operation]
-    originals: frozenset[tf.Operation]
-    frontier: tuple[tf.Tensor, ...]
-    xs: tuple[tf.Tensor, ...]
-
-    @classmethod
-    def behind(
-        cls, seeds: Sequence[tf.Operation], view: ForwardView, is_boundary: Callable
-    ) -> _Segment:
-        reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
-        frontier = {t.ref(): t for op in reached for t in op.inputs if is_boundary(t)}
-        xs = {x.ref() for x in view.xs}
-        read_xs = {
-            t.ref(): t
-            for op in reached
-            for t in op.inputs
-            if t.ref() in xs and t.ref() not in frontier
-        }
-        recomputed = reached & view.recomputable
-        return cls(
-            recomputed, reached - recomputed, tuple(frontier.values()), tuple(read_xs.values())
-        )
-
-    def __or__(self, other: _Segment) -> _Segment:
-        frontier = {t.ref(): t for t in (*self.frontier, *other.frontier)}
-        xs = {t.ref(): t for t in (*self.xs, *other.xs)}
-        return _Segment(
-            self.ops | other.ops,
-            self.originals | other.originals,
-            tuple(frontier.values()),
-            tuple(xs.values()),
-        )
-
-    def make_targets(self, scope: str) -> tuple[list[_Target], dict[object, tf.Tensor]]:
-        """What the segment's gradient call differentiates against, and the inputs its copies
-        read in place of boundaries: a private identity (made in `scope`) of each boundary a
-        copy reads, so that TensorFlow's gradient call, which walks everything downstream of
-        its targets, walks this segment only and not the whole graph after each boundary."""
-        targets, private = [], {}
-        for tensor in self.frontier:
-            readers = set(tensor.consumers())
-            if readers & self.ops and _tf.is_differentiable(tensor):
-                private[tensor.ref()] = editor.private_input(tensor, scope)
-                targets.append(_Target(private[tensor.ref()], tensor))
-            if readers & self.originals or (readers & self.ops and tensor.ref() not in private):
-                targets.append(_Target(tensor, tensor))
-        targets.extend(_Target(x, x, stops=False) for x in self.xs)
-        return targets, private
-
-
-@dataclasses.dataclass(frozen=True)
 class _Target:
     """A tensor a gradient call differentiates against, whose gradient that gives, and whether
-    backprop stops there: at boundaries, which the segments before take on from there; other
-    xs, as in `tf.gradients`, let it pass."""
+    backprop stops there: at boundaries, which later steps take on from there; other xs, as
+    in `tf.gradients`, let it pass."""
 
     tensor: tf.Tensor
     gradient_of: tf.Tensor
@@ -135,26 +56,33 @@ class _Target:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Parts:
-    """The gradient parts for kept tensors (xs, variable reads) one segment's backprop found,
-    and the ops it made for them."""
+class _KeptPart:
+    """A gradient part for a kept tensor (an x, a variable read) and the tensor it is for.
+    Nothing in the backward pass needs it before the end, so the next gate waits for it
+    (NOTE [gates])."""
 
-    gradients: list[Gradient]
-    made: frozenset[tf.Operation]
+    gradient: Gradient
+    gradient_of: tf.Tensor
 
-    def not_computed_from(self, incoming: Sequence[Gradient]) -> list[tf.Operation]:
-        """The parts' ops that do not read, directly or through other ops made for these
-        parts, any of the `incoming` gradients."""
-        arriving = {t.ref() for t in tf.nest.flatten(list(incoming), expand_composites=True)}
-        return [
-            op
-            for op in _ops_of(self.gradients)
-            if not any(
-                t.ref() in arriving
-                for ancestor in graph.backward_ops([op], within=self.made)
-                for t in ancestor.inputs
-            )
-        ]
+
+# NOTE [gates]: a step that recomputes reads what was made before it (the boundaries its
+# copies read, the gradients arriving at its boundaries) through its gate, which passes each
+# of them on once all exist and once the weight gradient parts made since the last gate
+# exist. So nothing is recomputed before backprop reaches the step (without the gate the
+# executor runs copies as soon as their inputs exist, during the forward pass, and holds
+# them); weight gradient parts, which nothing needs before the end, are done before the step
+# starts (else the executor may leave them queued, holding what they read); and steps of
+# independent segments run one after another.
+#
+# Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
+# BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
+# them). A fusion closes a cycle through a gate only if it merges an op before the gate with
+# an op after it, and fusions merge ops that read one another or read one tensor. Ops after a
+# gate read its outputs, their own step's copies and gradients, and constants; tensors made
+# before it are read afterwards only by later gates and by the AddN summing gradient parts,
+# and no fusion takes those in. Control dependencies alone give no such guarantee (a fused
+# op inherits the control edges of what it absorbed), and XLA ignores them. A step without
+# copies (variable reads) has no gate: it only passes arriving gradients on to kept tensors.
 
 
 class _Backprop:
@@ -164,6 +92,7 @@ class _Backprop:
         self.view = view
         self.options = options
         self._parts: dict[object, list[Gradient]] = {}
+        self._kept_parts: list[_KeptPart] = []
 
     def has_gradient(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self._parts
@@ -175,76 +104,57 @@ class _Backprop:
             parts[:] = [_tf.sum_gradients(parts)]
         return parts[0]
 
+    def step_inputs(
+        self, reached: Sequence[tf.Tensor], read: Sequence[tf.Tensor], scope: str
+    ) -> tuple[list[tf.Tensor], list[Gradient]]:
+        """What a step reads, passed through its gate (NOTE [gates]): the boundaries its
+        copies `read`, and the gradients arriving at the `reached` boundaries. The gate also
+        waits for the weight gradient parts made since the last gate. A step that recomputes
+        nothing (variable reads) has no gate: its gradients are final as soon as they exist."""
+        incoming = [self.gradient(t) for t in reached]
+        if not read:
+            return [], incoming
+        waited, self._kept_parts = self._kept_parts, []
+        waited_parts = [part.gradient for part in waited]
+        gated, passed = _tf.gate([*read, *_flat(incoming)], _flat(waited_parts), scope)
+        gated_incoming = tf.nest.pack_sequence_as(
+            incoming, gated[len(read) :], expand_composites=True
+        )
+        passed_parts = tf.nest.pack_sequence_as(waited_parts, passed, expand_composites=True)
+        for part, value in zip(waited, passed_parts, strict=True):
+            parts = self._parts[part.gradient_of.ref()]
+            parts[:] = [value if p is part.gradient else p for p in parts]
+        return gated[: len(read)], gated_incoming
+
     def differentiate(
         self,
         ys: Sequence[tf.Tensor],
         grad_ys: Sequence[Gradient | None] | None,
         targets: Sequence[_Target],
         copies: dict[tf.Operation, tf.Operation],
-    ) -> _Parts:
+    ) -> None:
         """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found.
 
-        The user's stop_gradients stop their copies too. Returns the parts for tensors that
-        are not recomputed (xs, variable reads), which no later segment waits for.
+        The user's stop_gradients stop their copies too.
         """
         user_stops = self.options.stop_gradients
         copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
-        tensors = [target.tensor for target in targets]
-        stops = [target.tensor for target in targets if target.stops]
-        graph_ = ys[0].graph
-        first_new = len(graph_.get_operations())
-        gradients = _tensorflow_gradients(
-            ys, tensors, grad_ys, [*stops, *user_stops, *copied_stops], self.options, "segment"
+        gradients = _tf.tensorflow_gradients(
+            list(ys),
+            [target.tensor for target in targets],
+            None if grad_ys is None else list(grad_ys),
+            name="segment",
+            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops,
+            gate_gradients=self.options.gate_gradients,
+            aggregation_method=self.options.aggregation_method,
+            stop_gradients=[*user_stops, *copied_stops],
+            boundaries=[target.tensor for target in targets if target.stops],
         )
-        kept_parts = []
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
                 if target.gradient_of.op not in self.view.recomputable:
-                    kept_parts.append(gradient)
-        return _Parts(kept_parts, frozenset(graph_.get_operations()[first_new:]))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Schedule:
-    """The boundaries, the segment behind each boundary op, and the order of backprop: boundary
-    ops in levels, each level's segments only reading boundaries of earlier levels."""
-
-    boundaries: dict[object, tf.Tensor]
-    segments: dict[tf.Operation, _Segment]
-    levels: list[set[tf.Operation]]
-
-    @classmethod
-    def build(cls, view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> _Schedule:
-        boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
-        segments = {
-            op: _Segment.behind([op], view, lambda t: t.ref() in boundaries)
-            for op in {t.op for t in boundaries.values()}
-        }
-        dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
-        return cls(boundaries, segments, list(toposort(dependencies)))
-
-    def is_boundary(self, tensor: tf.Tensor) -> bool:
-        return tensor.ref() in self.boundaries
-
-    def ops_recomputed_repeatedly(self) -> set[tf.Operation]:
-        """Ops in the segments of several levels: each of those levels recomputes them."""
-        seen: set[tf.Operation] = set()
-        repeated: set[tf.Operation] = set()
-        for level in self.levels:
-            ops = set().union(*(self.segments[op].ops for op in level))
-            repeated |= ops & seen
-            seen |= ops
-        return repeated
-
-
-def ops_recomputed_repeatedly(
-    view: ForwardView, checkpoints: Sequence[tf.Tensor]
-) -> set[tf.Operation]:
-    """The ops that backprop with `checkpoints` would recompute more than once. Each path not
-    cut by a checkpoint is recomputed by every segment behind it (the skip path of a residual
-    network kept only at its convolutions)."""
-    return _Schedule.build(view, checkpoints).ops_recomputed_repeatedly()
+                    self._kept_parts.append(_KeptPart(gradient, target.gradient_of))
 
 
 def checkpointed_gradients(
@@ -256,50 +166,73 @@ def checkpointed_gradients(
     """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
     `checkpoints` and what the view keeps anyway (`must_keep`, `reused`) from the forward
     pass."""
-    schedule = _Schedule.build(view, checkpoints)
+    schedule = Schedule.build(view, checkpoints)
     _report_repeated_recomputation(schedule)
-    is_boundary, segments = schedule.is_boundary, schedule.segments
     user_stopped = {t.op for t in options.stop_gradients}
     backprop = _Backprop(view, options)
 
     with view.ys[0].graph.name_scope(options.name) as scope:
-        ys_segment = _Segment.behind([y.op for y in view.ys], view, is_boundary)
-        frontier = {t.ref() for t in ys_segment.frontier}
-        other_xs = [x for x in view.xs if x.ref() not in frontier]
+        last = schedule.last
+        frontier = {t.ref() for t in last.frontier}
         ys_targets = [
-            *(_Target(t, t) for t in ys_segment.frontier),
-            *(_Target(x, x, stops=is_boundary(x)) for x in other_xs),
+            *(_Target(t, t) for t in last.frontier),
+            *(
+                _Target(x, x, stops=schedule.is_boundary(x))
+                for x in view.xs
+                if x.ref() not in frontier
+            ),
         ]
-        previous = backprop.differentiate(view.ys, grad_ys, ys_targets, {})
-        for depth, level in enumerate(reversed(schedule.levels)):
+        backprop.differentiate(view.ys, grad_ys, ys_targets, {})
+        for depth, step in enumerate(schedule.steps):
             reached = [
                 t
-                for op in level
+                for op in step
                 if op not in user_stopped
                 for t in op.outputs
-                if is_boundary(t) and backprop.has_gradient(t)
+                if schedule.is_boundary(t) and backprop.has_gradient(t)
             ]
             if not reached:
                 continue
-            segment = functools.reduce(operator.or_, (segments[t.op] for t in reached))
-            targets, private = segment.make_targets(f"{scope}inputs_{depth}/")
+            segment = Segment.union(
+                [schedule.segments[op] for op in dict.fromkeys(t.op for t in reached)]
+            )
+            read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
+            gates, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
+            gated = {t.ref(): gate for t, gate in zip(read, gates, strict=True)}
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
                 f"{scope}recompute_{depth}/",
-                private,
-            )
-            incoming = [backprop.gradient(t) for t in reached]
-            editor.add_control_inputs(
-                _first_copies(copies),
-                wait_for=[*_ops_of(incoming), *previous.not_computed_from(incoming)],
+                gated,
             )
             ys = [copies[t.op].outputs[t.value_index] if t.op in copies else t for t in reached]
-            previous = backprop.differentiate(ys, incoming, targets, copies)
+            backprop.differentiate(ys, incoming, _targets(segment, gated), copies)
 
     return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
 
 
-def _report_repeated_recomputation(schedule: _Schedule) -> None:
+def _targets(segment: Segment, gated: dict[object, tf.Tensor]) -> list[_Target]:
+    """What a step's gradient call differentiates against: the gates its copies read, the
+    boundaries its originals read, and the xs it reads."""
+    targets = []
+    for tensor in segment.frontier:
+        if tensor.ref() in gated and _tf.is_differentiable(tensor):
+            targets.append(_Target(gated[tensor.ref()], tensor))
+        if any(reader in segment.originals for reader in tensor.consumers()):
+            targets.append(_Target(tensor, tensor))
+    targets.extend(_Target(x, x, stops=False) for x in segment.xs)
+    return targets
+
+
+def ops_recomputed_repeatedly(
+    view: ForwardView, checkpoints: Sequence[tf.Tensor]
+) -> set[tf.Operation]:
+    """The ops that backprop with `checkpoints` would recompute more than once. Each path not
+    cut by a checkpoint is recomputed by every segment behind it (the skip path of a residual
+    network kept only at its convolutions)."""
+    return Schedule.build(view, checkpoints).ops_recomputed_repeatedly()
+
+
+def _report_repeated_recomputation(schedule: Schedule) -> None:
     repeated = schedule.ops_recomputed_repeatedly()
     if repeated:
         names = sorted(op.name for op in repeated)
@@ -319,39 +252,18 @@ def plain_gradients(
     options: GradientOptions,
 ) -> list[Gradient | None]:
     """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
-    return _tensorflow_gradients(ys, xs, grad_ys, options.stop_gradients, options, options.name)
-
-
-def _boundaries(view: ForwardView, tensors: Sequence[tf.Tensor]) -> dict[object, tf.Tensor]:
-    """The given tensors, widened to every output of their ops that the forward pass reads."""
-    ys = {y.ref() for y in view.ys}
-    return {
-        out.ref(): out
-        for op in {t.op for t in tensors}
-        for out in op.outputs
-        if out.ref() in ys or view.consumers(out)
-    }
-
-
-def _first_copies(copies: dict[tf.Operation, tf.Operation]) -> list[tf.Operation]:
-    """The copies that read no other copy: once they wait, the whole segment waits."""
-    copied = set(copies.values())
-    return [c for c in copied if not any(t.op in copied for t in c.inputs)]
-
-
-def _ops_of(gradients: Sequence[Gradient]) -> list[tf.Operation]:
-    tensors = tf.nest.flatten(list(gradients), expand_composites=True)
-    return list({t.op: None for t in tensors})
-
-
-def _tensorflow_gradients(ys, xs, grad_ys, stop_gradients, options: GradientOptions, name: str):
     return _tf.tensorflow_gradients(
         list(ys),
         list(xs),
         None if grad_ys is None else list(grad_ys),
-        name=name,
+        name=options.name,
         colocate_gradients_with_ops=options.colocate_gradients_with_ops,
         gate_gradients=options.gate_gradients,
         aggregation_method=options.aggregation_method,
-        stop_gradients=list(stop_gradients),
+        stop_gradients=list(options.stop_gradients),
     )
+
+
+def _flat(gradients: Sequence[Gradient]) -> list[tf.Tensor]:
+    """The dense tensors of `gradients` (an IndexedSlices has several)."""
+    return tf.nest.flatten(list(gradients), expand_composites=True)

@@ -111,6 +111,11 @@ class ForwardView:
         """Index of each op in `ops`: sorting by it gives a topological order."""
         return {op: i for i, op in enumerate(self.ops)}
 
+    def order(self, op: tf.Operation) -> int:
+        """A sort key giving a topological order of the view's ops and the xs' own ops (which
+        come first)."""
+        return self.position.get(op, -1)
+
     def consumers(self, tensor: tf.Tensor) -> list[tf.Operation]:
         """The ops of this view that read `tensor`."""
         return [op for op in tensor.consumers() if op in self.position]

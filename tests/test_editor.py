@@ -1,4 +1,4 @@
-"""Copying ops and ordering the copies."""
+"""Copying ops."""
 
 import numpy as np
 import tensorflow as tf
@@ -36,13 +36,3 @@ def test_control_inputs_map_to_copies_within_the_set():
             b = tf.sin(x)
         copies = editor.copy_ops([a.op, b.op], scope="c/")
         assert copies[b.op].control_inputs == [copies[a.op]]
-
-
-def test_add_control_inputs_makes_ops_wait():
-    with tf.Graph().as_default():
-        x = tf.constant([1.0])
-        first, second = tf.tanh(x), tf.sin(x)
-        signal = tf.no_op()
-        editor.add_control_inputs([first.op, second.op], wait_for=[signal])
-        assert first.op.control_inputs == [signal]
-        assert second.op.control_inputs == [signal]

@@ -54,22 +54,123 @@ def test_copy_op_keeps_the_gradient_override_of_custom_gradients():
         np.testing.assert_array_equal(run(gradient), [7.0, 7.0])
 
 
-def test_identity_like_is_placed_like_its_input_outside_the_callers_scopes():
+def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():
     with tf.Graph().as_default():
         v = tf.Variable(tf.zeros([2]))
         with tf.device("/cpu:0"):
             x = tf1.placeholder(tf.float32, [None, 3])
+        gradient = tf.constant([5.0, 6.0])
+        weight_part = tf.constant([7.0])
         with tf.device("/device:CPU:1"), tf1.control_dependencies([v.op]), tf.name_scope("s"):
-            identity = _tf.identity_like(x, name="private/x")
-            handle = _tf.identity_like(v.handle, name="private/handle")
-        assert identity.op.type == "Identity" and identity.op.name == "private/x"
-        assert identity.op.device == x.op.device
-        assert identity.op.control_inputs == []
-        assert identity.shape.as_list() == [None, 3]
-        assert handle.dtype == tf.resource
-        read = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
+            (gated_x, gated_handle, gated_gradient), waits = _tf.gate(
+                [x, v.handle, gradient], [weight_part], scope="step/"
+            )
+        assert waits == [weight_part]
+        assert gated_x.op.device == x.op.device
+        assert gated_x.shape.as_list() == [None, 3]
+        assert gated_x.op.name.startswith("step/")
+        assert not gated_x.op.control_inputs
+        # Each passed tensor depends by data on a zero that reads every tensor passed and
+        # waits (control) for the waits.
+        zero = gated_x.op.inputs[1].op.inputs[1].op
+        assert zero.name == "step/zero"
+        upstream = set()
+        stack = [zero]
+        while stack:
+            op = stack.pop()
+            if op not in upstream:
+                upstream.add(op)
+                stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+        assert {gradient.op, weight_part.op, x.op} <= upstream
+        read = tf.raw_ops.ReadVariableOp(resource=gated_handle, dtype=tf.float32)
         assert read.shape.as_list() == [2]  # the handle's data (shape, dtype) came along
-        np.testing.assert_array_equal(run(identity, {x: np.ones((1, 3))}), np.ones((1, 3)))
+        value = np.arange(6, dtype=np.float32).reshape(2, 3)
+        got_x, got_gradient = run([gated_x, gated_gradient], {x: value})
+        np.testing.assert_array_equal(got_x, value)
+        np.testing.assert_array_equal(got_gradient, [5.0, 6.0])
+
+
+def test_gate_survives_graph_optimizers_as_an_ordering():
+    """Grappler drops identities and IdentityN outputs nobody reads; the gate must stay: the
+    passed tensor is used after the wait (itself fetched, as gradients are) in the optimized
+    graph too."""
+    with tf.Graph().as_default() as graph:
+        x = tf.Variable(tf.ones([4])).read_value()
+        wait = tf.reduce_sum(tf.sin(x))
+        (gated,), _ = _tf.gate([x], [wait], scope="step/")
+        fetch = tf.tanh(gated)
+        init = tf1.global_variables_initializer()
+    metadata = tf1.RunMetadata()
+    options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
+    with tf1.Session(graph=graph) as session:
+        session.run(init)
+        session.run([fetch, wait], options=options, run_metadata=metadata)
+    started = {
+        node.node_name: node.all_start_micros
+        for device in metadata.step_stats.dev_stats
+        for node in device.node_stats
+    }
+    assert started["Sum"] <= started["Tanh"]
+    assert any(name.startswith("step/") for name in started)
+
+
+def test_gate_is_an_optimization_barrier_under_xla():
+    seen = {}
+
+    @tf.function(jit_compile=True)
+    def step(x, g):
+        (gated,), (passed,) = _tf.gate([x], [g], scope="step/")
+        seen["type"] = gated.op.type
+        seen["shared"] = gated.op is passed.op
+        return gated * 2.0 + passed
+
+    np.testing.assert_array_equal(step(tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])), [5, 8])
+    assert seen == {"type": "XlaOptimizationBarrier", "shared": True}
+
+
+def test_is_function_call():
+    from tensorflow.python.framework import function
+
+    @tf.function
+    def body(v):
+        return tf.sin(v)
+
+    @function.Defun(tf.float32)
+    def defun(v):
+        return tf.cos(v)
+
+    with tf.Graph().as_default():
+        x = tf.constant(1.0)
+        assert _tf.is_function_call(body(x).op)
+        assert _tf.is_function_call(defun(x).op)
+        assert not _tf.is_function_call(tf.tanh(x).op)
+
+
+def test_boundaries_stop_backprop_where_stop_gradients_does_not_at_function_calls():
+    """TensorFlow's gradient code differentiates a function-call op listed in stop_gradients
+    all the same (NOTE [function calls in stop_gradients] in _tf.py); a boundary stops."""
+
+    @tf.function
+    def body(v):
+        return tf.sin(v)
+
+    with tf.Graph().as_default():
+        x = tf.constant(1.0)
+        called = body(x)
+        y = 3.0 * called + x
+        options = {
+            "name": "g", "colocate_gradients_with_ops": True, "gate_gradients": False,
+            "aggregation_method": None,
+        }  # fmt: skip
+        through = _tf.tensorflow_gradients(
+            [y], [called, x], None, stop_gradients=[called], **options
+        )
+        stopped = _tf.tensorflow_gradients(
+            [y], [called, x], None, stop_gradients=[], boundaries=[called], **options
+        )
+        values = run([*through, *stopped])
+    np.testing.assert_allclose(values, [3.0, 1.0 + 3.0 * np.cos(1.0), 3.0, 1.0], rtol=1e-6)
+    assert called.op._gradient_function is not None  # restored after the call
 
 
 def test_is_differentiable():

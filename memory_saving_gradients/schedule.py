@@ -1,0 +1,168 @@
+"""The order of a checkpointed backward pass: boundaries, the segment behind each, and steps.
+
+The checkpoints, with the tensors a view keeps anyway (`must_keep`, `reused`), are the
+boundaries. Behind each boundary op lies its segment: the ops that produce it again from the
+boundaries before it. Backprop takes segments in steps, latest first, a step once every
+segment reading its boundaries is done. Segments that share no op and read none of each
+other's boundaries do not depend on each other; each gets a step of its own, one after the
+other, so their recomputed tensors are never alive at once.
+
+Strategies ask a schedule which ops a checkpoint list would recompute more than once; the
+rewrite runs it. Building one walks each segment once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import tensorflow as tf
+from toposort import toposort
+
+from memory_saving_gradients import graph
+from memory_saving_gradients.view import ForwardView
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Ops differentiated after some seeds, and the boundaries and xs where they stop.
+
+    Its recomputable `ops` are copied; the others (`originals`) are differentiated as they
+    ran. Outputs of non-recomputable ops that recomputable ops read are boundaries, so a
+    segment behind a checkpoint holds recomputable ops only.
+    """
+
+    ops: frozenset[tf.Operation]
+    originals: frozenset[tf.Operation]
+    frontier: tuple[tf.Tensor, ...]
+    xs: tuple[tf.Tensor, ...]
+
+    @classmethod
+    def behind(
+        cls,
+        seeds: Iterable[tf.Operation],
+        view: ForwardView,
+        is_boundary: Callable[[tf.Tensor], bool],
+    ) -> Segment:
+        reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
+        inputs = [t for op in sorted(reached, key=view.order) for t in op.inputs]
+        xs = {x.ref() for x in view.xs}
+        frontier = _unique(t for t in inputs if is_boundary(t))
+        read_xs = _unique(t for t in inputs if t.ref() in xs and not is_boundary(t))
+        recomputed = reached & view.recomputable
+        return cls(frozenset(recomputed), frozenset(reached - recomputed), frontier, read_xs)
+
+    @classmethod
+    def union(cls, segments: Sequence[Segment]) -> Segment:
+        return cls(
+            frozenset().union(*(s.ops for s in segments)),
+            frozenset().union(*(s.originals for s in segments)),
+            _unique(t for s in segments for t in s.frontier),
+            _unique(t for s in segments for t in s.xs),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Boundaries, the segment behind each boundary op and behind the ys, and the steps.
+
+    Attributes:
+      boundaries: the boundary tensors by `ref()`.
+      last: the segment behind the ys, differentiated on the forward pass's own ops.
+      segments: the segment behind each boundary op.
+      steps: groups of boundary ops in backprop order; the segments of a group share ops, so
+        they are differentiated together.
+    """
+
+    boundaries: dict[object, tf.Tensor]
+    last: Segment
+    segments: dict[tf.Operation, Segment]
+    steps: tuple[tuple[tf.Operation, ...], ...]
+
+    @classmethod
+    def build(cls, view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> Schedule:
+        boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
+
+        def is_boundary(tensor: tf.Tensor) -> bool:
+            return tensor.ref() in boundaries
+
+        segments = {
+            op: Segment.behind([op], view, is_boundary)
+            for op in _unique_ops(t.op for t in boundaries.values())
+        }
+        dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
+        steps = [
+            group
+            for level in reversed(list(toposort(dependencies)))
+            for group in _independent_groups(level, segments, view.order)
+        ]
+        last = Segment.behind([y.op for y in view.ys], view, is_boundary)
+        return cls(boundaries, last, segments, tuple(steps))
+
+    def is_boundary(self, tensor: tf.Tensor) -> bool:
+        return tensor.ref() in self.boundaries
+
+    def ops_recomputed_repeatedly(self) -> set[tf.Operation]:
+        """Ops in the segments of several steps: each of those steps recomputes them."""
+        seen: set[tf.Operation] = set()
+        repeated: set[tf.Operation] = set()
+        for step in self.steps:
+            ops = frozenset().union(*(self.segments[op].ops for op in step))
+            repeated |= ops & seen
+            seen |= ops
+        return repeated
+
+
+def _independent_groups(
+    level: set[tf.Operation],
+    segments: dict[tf.Operation, Segment],
+    order: Callable[[tf.Operation], int],
+) -> list[tuple[tf.Operation, ...]]:
+    """The boundary ops of one level in groups whose segments share no op, latest group first
+    (the order backprop reaches them in). Segments of one level never read each other's
+    boundaries, so only shared ops tie them together."""
+    group_of: dict[tf.Operation, int] = {}
+    parent: list[int] = []
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    members = sorted(level, key=order)
+    for i, op in enumerate(members):
+        parent.append(i)
+        segment = segments[op]
+        for recomputed in segment.ops:
+            if recomputed in group_of:
+                parent[find(group_of[recomputed])] = find(i)
+            else:
+                group_of[recomputed] = i
+    groups: dict[int, list[tf.Operation]] = {}
+    for i, op in enumerate(members):
+        groups.setdefault(find(i), []).append(op)
+    return sorted(
+        (tuple(ops) for ops in groups.values()),
+        key=lambda ops: -max(map(order, ops)),
+    )
+
+
+def _boundaries(view: ForwardView, tensors: Sequence[tf.Tensor]) -> dict[object, tf.Tensor]:
+    """The given tensors, widened to every output of their ops that the forward pass reads."""
+    ys = {y.ref() for y in view.ys}
+    return {
+        out.ref(): out
+        for op in _unique_ops(t.op for t in tensors)
+        for out in op.outputs
+        if out.ref() in ys or view.consumers(out)
+    }
+
+
+def _unique(tensors: Iterable[tf.Tensor]) -> tuple[tf.Tensor, ...]:
+    """`tensors` without repeats, in first-seen order."""
+    return tuple({t.ref(): t for t in tensors}.values())
+
+
+def _unique_ops(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
+    return list(dict.fromkeys(ops))
