@@ -131,6 +131,56 @@ def is_function_call(op: tf.Operation) -> bool:
     )
 
 
+def called_op_types(op: tf.Operation) -> frozenset[str]:
+    """The op types in the bodies of the functions `op` calls (a function call, the branches
+    of an If, the body of a While) and of the functions those call, from the graph's library.
+    """
+    return frozenset().union(
+        *(_body_op_types(name, op.graph) for name in _called_function_names(op.node_def, op.graph))
+    )
+
+
+#: Op types in each library function's body and callees, by name. A name stands for one body:
+#: tf.function names are unique in a process, Defun names hash their definition.
+_BODY_OP_TYPES: dict[str, frozenset[str]] = {}
+
+
+def _body_op_types(name: str, graph: tf.Graph) -> frozenset[str]:
+    if name not in _BODY_OP_TYPES:
+        _BODY_OP_TYPES[name] = frozenset()  # a function calling itself adds nothing new
+        function = _library_function(graph, name)
+        nodes = [] if function is None else function.definition.node_def
+        _BODY_OP_TYPES[name] = frozenset(node.op for node in nodes).union(
+            *(
+                _body_op_types(callee, graph)
+                for node in nodes
+                for callee in _called_function_names(node, graph)
+            )
+        )
+    return _BODY_OP_TYPES[name]
+
+
+def _called_function_names(node_def, graph: tf.Graph) -> list[str]:
+    """Names of the functions a NodeDef calls: its function attributes, or its op type for a
+    call of a library function by name (`Defun`)."""
+    names = [node_def.op] if _library_function(graph, node_def.op) is not None else []
+    for value in node_def.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _library_function(graph: tf.Graph, name: str):
+    """Library function `name` of `graph` or of a graph it is nested in, or None."""
+    while graph is not None:
+        function = graph._get_function(name)
+        if function is not None:
+            return function
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
 def is_differentiable(tensor: tf.Tensor) -> bool:
     """Whether TensorFlow's gradient functions propagate gradients through `tensor`'s dtype."""
     return backprop_util.IsTrainable(tensor)
@@ -176,14 +226,14 @@ def tensorflow_gradients(
     aggregation_method,
     stop_gradients: Sequence[tf.Tensor],
     boundaries: Sequence[tf.Tensor] = (),
+    unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
 ) -> list:
     """TensorFlow's own `tf.gradients`, reached even while `tf.gradients` is patched.
 
     Backprop also stops at `boundaries`: they receive gradients, their producers pass none
     on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below).
-    Unconnected xs get None so that the caller can tell them apart from zero gradients.
     """
-    graph = ys[0].graph
+    graph = tf.compat.v1.get_default_graph()
     calls = [op for op in dict.fromkeys(t.op for t in boundaries) if is_function_call(op)]
     stops = [*stop_gradients, *(t for t in boundaries if t.op not in calls)]
     with graph._mutation_lock(), _passing_no_gradient(calls):
@@ -196,7 +246,7 @@ def tensorflow_gradients(
             gate_gradients,
             aggregation_method,
             stops,
-            tf.UnconnectedGradients.NONE,
+            unconnected_gradients,
         )
 
 

@@ -19,16 +19,16 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, inputs
-from memory_saving_gradients.rewrite import (
-    GradientOptions,
-    checkpointed_gradients,
-    plain_gradients,
+from memory_saving_gradients import _tf, inputs, rewrite
+from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
+from memory_saving_gradients.strategies import (
+    CheckpointsArg,
+    NoCheckpointsError,
+    select_checkpoints,
 )
-from memory_saving_gradients.strategies import CheckpointsArg, select_checkpoints
 from memory_saving_gradients.view import ForwardView
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 TensorLike = tf.Tensor | tf.Variable
 Gradient = tf.Tensor | tf.IndexedSlices
@@ -72,45 +72,65 @@ def gradients(
       RuntimeError: called eagerly, outside any graph.
       TypeError, ValueError: ys, xs, grad_ys or checkpoints are not usable; the message names
         the offending value.
+      NoCheckpointsError: a checkpoint list, 'collection' or 'speed' gave no usable tensor
+        (patched TensorFlow computes its own gradients instead, and logs it).
     """
+    options = {
+        "name": name,
+        "colocate_gradients_with_ops": colocate_gradients_with_ops,
+        "gate_gradients": gate_gradients,
+        "aggregation_method": aggregation_method,
+    }
+    return compute_gradients(
+        ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients, refuse=True
+    )
+
+
+def compute_gradients(
+    ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients, *, refuse: bool
+) -> list[Gradient | None]:
+    """`gradients`, with its `tf.gradients` options in a dict. Where the strategy finds no
+    checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
+    patched TensorFlow computes them for code the user did not write."""
     inputs.check_graph_mode()
-    with inputs.graph_of(inputs.as_list(ys)).as_default():
-        args = inputs.parse(ys, xs, grad_ys, stop_gradients)
-        options = GradientOptions(
-            name=name,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            stop_gradients=args.stop_gradients,
-        )
-        unique_xs = args.unique_xs
-        if args.xs_outside_graph:
-            logger.info(
-                "xs %s belong to a graph enclosing the function body of ys; only TensorFlow "
-                "follows captured values across that boundary: computing plain gradients.",
-                [x.name for x in args.xs_outside_graph],
+    args = inputs.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
+    with args.graph.as_default():
+        gradient_options = GradientOptions(**options, stop_gradients=args.stop_gradients)
+        if args.only_tensorflow:
+            logger.info("Computing TensorFlow's own gradients: %s.", args.only_tensorflow)
+            return plain_gradients(
+                args.ys, args.xs, args.grad_ys, gradient_options, args.unconnected_gradients
             )
-            grads = plain_gradients(args.ys, unique_xs, args.grad_ys, options)
-        else:
-            grads = _checkpointed(args, unique_xs, checkpoints, options)
-        unconnected = tf.UnconnectedGradients(unconnected_gradients)
+        unique_xs = args.unique_xs
+        flowing = args.without_constant_ys()
+        grads = [None] * len(unique_xs)
+        if flowing.ys:
+            grads = _checkpointed(flowing, unique_xs, checkpoints, gradient_options, refuse)
         by_x = {
-            x.ref(): _fill_unconnected(x, g, unconnected)
+            x.ref(): _fill_unconnected(x, g, args.unconnected_gradients)
             for x, g in zip(unique_xs, grads, strict=True)
         }
         return [by_x[x.ref()] for x in args.xs]
 
 
-def _checkpointed(args: inputs.Arguments, unique_xs, checkpoints, options) -> list:
+def _checkpointed(
+    args: inputs.Arguments, unique_xs, checkpoints, options: GradientOptions, refuse: bool
+) -> list:
     view = ForwardView.build(args.ys, unique_xs)
     _report_unreachable(view)
-    chosen = select_checkpoints(view, checkpoints)
+    try:
+        chosen = select_checkpoints(view, checkpoints)
+    except NoCheckpointsError as error:
+        if refuse:
+            raise
+        logger.info("%s Computing TensorFlow's own gradients.", error)
+        chosen = []
     if not chosen:
         logger.info("No checkpoints chosen: computing plain gradients.")
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     logger.info("Checkpointing %d tensors.", len(chosen))
     logger.debug("Checkpoints: %s", [t.name for t in chosen])
-    return checkpointed_gradients(view, chosen, args.grad_ys, options)
+    return rewrite.checkpointed_gradients(view, chosen, args.grad_ys, options)
 
 
 def _report_unreachable(view: ForwardView) -> None:

@@ -1,7 +1,9 @@
 """The arguments of `gradients`, checked early: every error names the value at fault and the fix.
 
 `tf.gradients` reports many of these mistakes late, deep inside a gradient function, or not at
-all; a rewrite that copies half the graph first would make them harder still to trace.
+all; a rewrite that copies half the graph first would make them harder still to trace. Where
+`tf.gradients` accepts what the rewrite cannot take apart, the arguments say why, and
+TensorFlow's own gradients are computed.
 """
 
 from __future__ import annotations
@@ -13,26 +15,44 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf
 
+Gradient = tf.Tensor | tf.IndexedSlices
+
 
 @dataclasses.dataclass(frozen=True)
 class Arguments:
-    """Validated arguments: graph tensors of the graph of ys (or, for xs and stop_gradients,
-    of a graph enclosing it when ys live in a function body)."""
+    """Validated arguments: graph tensors of `graph` or of graphs enclosing it.
+
+    Attributes:
+      graph: where the gradients are built: the graph of ys, or the function body being
+        built when ys belong to a graph enclosing it.
+      ys, grad_ys: the differentiated tensors and their gradients (None for the default).
+      xs: the tensors differentiated against, variables as their handles.
+      stop_gradients: as for `tf.gradients`.
+      unconnected_gradients: as for `tf.gradients`, checked.
+      only_tensorflow: why only TensorFlow's own gradients can be computed, if so.
+    """
 
     graph: tf.Graph
     ys: list[tf.Tensor]
     xs: list[tf.Tensor]
-    grad_ys: list[tf.Tensor | None] | None
+    grad_ys: list[Gradient | None] | None
     stop_gradients: tuple[tf.Tensor, ...]
+    unconnected_gradients: tf.UnconnectedGradients
+    only_tensorflow: str | None
 
     @property
     def unique_xs(self) -> list[tf.Tensor]:
         return list({x.ref(): x for x in self.xs}.values())
 
-    @property
-    def xs_outside_graph(self) -> list[tf.Tensor]:
-        """xs of an enclosing graph, which only TensorFlow's capture tracking can reach."""
-        return [x for x in self.xs if x.graph is not self.graph]
+    def without_constant_ys(self) -> Arguments:
+        """The arguments less the ys gradients cannot flow from (integers, booleans): as in
+        `tf.gradients`, they contribute nothing."""
+        keep = [i for i, y in enumerate(self.ys) if _tf.is_differentiable(y)]
+        return dataclasses.replace(
+            self,
+            ys=[self.ys[i] for i in keep],
+            grad_ys=None if self.grad_ys is None else [self.grad_ys[i] for i in keep],
+        )
 
 
 def check_graph_mode() -> None:
@@ -44,26 +64,65 @@ def check_graph_mode() -> None:
         )
 
 
-def parse(ys, xs, grad_ys, stop_gradients) -> Arguments:
-    """Check and convert the user's arguments; call inside `graph_of(ys).as_default()`."""
-    ys_list = as_list(ys)
-    graph = graph_of(ys_list)
+def parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients) -> Arguments:
+    """Check the user's arguments and convert them in the graph the gradients go to."""
+    try:
+        unconnected = tf.UnconnectedGradients(unconnected_gradients)
+    except ValueError:
+        message = f"Unknown value for unconnected_gradients: '{unconnected_gradients}'"
+        raise ValueError(message) from None
+    ys_list, xs_list = as_list(ys), as_list(xs)
+    stops = tuple([] if stop_gradients is None else as_list(stop_gradients))
+    composite = [v for v in [*ys_list, *xs_list] if _is_composite(v)]
+    if composite:
+        return Arguments(
+            graph=tf.compat.v1.get_default_graph(),
+            ys=ys_list,
+            xs=xs_list,
+            grad_ys=None if grad_ys is None else as_list(grad_ys),
+            stop_gradients=stops,
+            unconnected_gradients=unconnected,
+            only_tensorflow=f"{composite[0]!r} is a composite tensor (ragged, sparse)",
+        )
+    ys_graph = graph = graph_of(ys_list)
+    current = tf.compat.v1.get_default_graph()
+    if any(g is ys_graph for g in _enclosing_graphs(current)):
+        graph = current  # a function body built inside the graph of ys, which it captures
     enclosing = _enclosing_graphs(graph)
-    ys_tensors = [_tensor(y, "ys", [graph]) for y in ys_list]
-    for y in ys_tensors:
-        if not (y.dtype.is_floating or y.dtype.is_complex):
-            raise TypeError(
-                f"ys entry {y.name} has dtype {y.dtype.name}: gradients flow only from "
-                "floating-point or complex tensors. Differentiate a float tensor instead, e.g. "
-                "tf.cast(y, tf.float32) of the float value it was computed from."
-            )
-    stops = [] if stop_gradients is None else as_list(stop_gradients)
-    return Arguments(
-        graph=graph,
-        ys=ys_tensors,
-        xs=[_tensor(x, "xs", enclosing) for x in as_list(xs)],
-        grad_ys=_grad_ys(grad_ys, ys_tensors),
-        stop_gradients=tuple(_tensor(t, "stop_gradients", enclosing) for t in stops),
+    with graph.as_default():
+        ys_tensors = [_tensor(y, "ys", [ys_graph]) for y in ys_list]
+        xs_tensors = [_tensor(x, "xs", enclosing) for x in xs_list]
+        return Arguments(
+            graph=graph,
+            ys=ys_tensors,
+            xs=xs_tensors,
+            grad_ys=_grad_ys(grad_ys, ys_tensors),
+            stop_gradients=tuple(_tensor(t, "stop_gradients", enclosing) for t in stops),
+            unconnected_gradients=unconnected,
+            only_tensorflow=_only_tensorflow(graph, ys_tensors, xs_tensors),
+        )
+
+
+def _only_tensorflow(graph: tf.Graph, ys: list[tf.Tensor], xs: list[tf.Tensor]) -> str | None:
+    """Why only TensorFlow's own gradients apply to these arguments, if so: TensorFlow alone
+    follows values captured across function boundaries."""
+    if any(y.graph is not graph for y in ys):
+        return "ys belong to a graph enclosing the function being built"
+    outside = [x.name for x in xs if x.graph is not graph]
+    if outside:
+        return f"xs {outside} belong to a graph enclosing the function body of ys"
+    xs_refs = {x.ref() for x in xs}
+    if any(y.ref() in xs_refs and not _tf.is_differentiable(y) for y in ys):
+        return "an integer or boolean y is also one of xs"
+    return None
+
+
+def _is_composite(value) -> bool:
+    """Whether `value` is a composite tensor other than IndexedSlices and variables (ragged,
+    sparse)."""
+    composite = isinstance(value, tf.__internal__.CompositeTensor)
+    return composite and not (
+        isinstance(value, tf.IndexedSlices) or _tf.is_resource_variable(value)
     )
 
 
@@ -108,7 +167,8 @@ def _tensor(value, what: str, graphs: Sequence[tf.Graph]) -> tf.Tensor:
     return value
 
 
-def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[tf.Tensor | None] | None:
+def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[Gradient | None] | None:
+    """The grad_ys as tensors, IndexedSlices left as they are (`tf.gradients` keeps them)."""
     if grad_ys is None:
         return None
     grad_ys = as_list(grad_ys)
@@ -119,13 +179,14 @@ def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[tf.Tensor | None] | None:
         if grad_y is None:
             checked.append(None)
             continue
-        grad_y = tf.convert_to_tensor(grad_y, dtype_hint=y.dtype)
+        if not isinstance(grad_y, tf.IndexedSlices):
+            grad_y = tf.convert_to_tensor(grad_y, dtype_hint=y.dtype)
         if grad_y.dtype != y.dtype:
             raise TypeError(
                 f"grad_ys[{i}] has dtype {grad_y.dtype.name} but ys[{i}] ({y.name}) has "
                 f"{y.dtype.name}: pass tf.cast(grad_ys[{i}], {y.dtype.name})."
             )
-        if not grad_y.shape.is_compatible_with(y.shape):
+        if isinstance(grad_y, tf.Tensor) and not grad_y.shape.is_compatible_with(y.shape):
             raise ValueError(
                 f"grad_ys[{i}] has shape {grad_y.shape} but ys[{i}] ({y.name}) has shape "
                 f"{y.shape}: give each y a gradient of its own shape."

@@ -4,6 +4,10 @@
 `tf.compat.v1.train.Optimizer.minimize/compute_gradients` call are replaced by functions with
 their exact signatures, so positional calls keep working. The library itself always calls
 TensorFlow's own implementation, so patching never recurses.
+
+Patched calls come from code the user may not have written (`tf.hessians`, libraries, small
+helper graphs), so they never refuse: where the strategy finds nothing to keep, TensorFlow's
+own gradients are computed and that is logged.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.api import gradients
+from memory_saving_gradients.api import compute_gradients
 from memory_saving_gradients.strategies import CheckpointsArg
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 
 def _v1_signature(checkpoints: CheckpointsArg):
@@ -36,11 +40,15 @@ def _v1_signature(checkpoints: CheckpointsArg):
         stop_gradients=None,
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
-        return gradients(
-            ys, xs, grad_ys, checkpoints, name=name,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+        options = {
+            "name": name,
+            "colocate_gradients_with_ops": colocate_gradients_with_ops,
+            "gate_gradients": gate_gradients,
+            "aggregation_method": aggregation_method,
+        }
+        return compute_gradients(
+            ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
+            refuse=False,
         )  # fmt: skip
 
     return checkpointed_gradients_v1
@@ -48,6 +56,7 @@ def _v1_signature(checkpoints: CheckpointsArg):
 
 def _v2_signature(checkpoints: CheckpointsArg):
     """A replacement for `tf.gradients` (TF2), same parameters in the same order."""
+    checkpointed_gradients_v1 = _v1_signature(checkpoints)
 
     @tf.autograph.experimental.do_not_convert
     def checkpointed_gradients_v2(
@@ -60,10 +69,9 @@ def _v2_signature(checkpoints: CheckpointsArg):
         stop_gradients=None,
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
-        return gradients(
-            ys, xs, grad_ys, checkpoints, name=name, colocate_gradients_with_ops=True,
-            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+        return checkpointed_gradients_v1(
+            ys, xs, grad_ys, name, True, gate_gradients, aggregation_method, stop_gradients,
+            unconnected_gradients,
         )  # fmt: skip
 
     return checkpointed_gradients_v2

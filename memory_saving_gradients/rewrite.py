@@ -56,10 +56,8 @@ class _Target:
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeptPart:
-    """A gradient part for a kept tensor (an x, a variable read) and the tensor it is for.
-    Nothing in the backward pass needs it before the end, so the next gate waits for it
-    (NOTE [gates])."""
+class _Part:
+    """A gradient part a gradient call found, and the tensor it is for."""
 
     gradient: Gradient
     gradient_of: tf.Tensor
@@ -67,12 +65,12 @@ class _KeptPart:
 
 # NOTE [gates]: a step that recomputes reads what was made before it (the boundaries its
 # copies read, the gradients arriving at its boundaries) through its gate, which passes each
-# of them on once all exist and once the weight gradient parts made since the last gate
-# exist. So nothing is recomputed before backprop reaches the step (without the gate the
-# executor runs copies as soon as their inputs exist, during the forward pass, and holds
-# them); weight gradient parts, which nothing needs before the end, are done before the step
-# starts (else the executor may leave them queued, holding what they read); and steps of
-# independent segments run one after another.
+# of them on once all exist and once every gradient part found since the last gate exists.
+# So nothing is recomputed before backprop reaches the step (without the gate the executor
+# runs copies as soon as their inputs exist, during the forward pass, and holds them), and a
+# step starts only once the steps before it are done: the executor could otherwise leave
+# their weight gradients queued, or start a step while an independent branch's backprop is
+# still holding its activations. The backward pass runs one step at a time.
 #
 # Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
 # BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
@@ -92,7 +90,8 @@ class _Backprop:
         self.view = view
         self.options = options
         self._parts: dict[object, list[Gradient]] = {}
-        self._kept_parts: list[_KeptPart] = []
+        #: Parts found since the last gate, which the next gate waits for.
+        self._unwaited: list[_Part] = []
 
     def has_gradient(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self._parts
@@ -109,12 +108,12 @@ class _Backprop:
     ) -> tuple[list[tf.Tensor], list[Gradient]]:
         """What a step reads, passed through its gate (NOTE [gates]): the boundaries its
         copies `read`, and the gradients arriving at the `reached` boundaries. The gate also
-        waits for the weight gradient parts made since the last gate. A step that recomputes
+        waits for every gradient part found since the last gate. A step that recomputes
         nothing (variable reads) has no gate: its gradients are final as soon as they exist."""
         incoming = [self.gradient(t) for t in reached]
         if not read:
             return [], incoming
-        waited, self._kept_parts = self._kept_parts, []
+        waited, self._unwaited = self._unwaited, []
         waited_parts = [part.gradient for part in waited]
         gated, passed = _tf.gate([*read, *_flat(incoming)], _flat(waited_parts), scope)
         gated_incoming = tf.nest.pack_sequence_as(
@@ -153,8 +152,7 @@ class _Backprop:
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
-                if target.gradient_of.op not in self.view.recomputable:
-                    self._kept_parts.append(_KeptPart(gradient, target.gradient_of))
+                self._unwaited.append(_Part(gradient, target.gradient_of))
 
 
 def checkpointed_gradients(
@@ -250,8 +248,9 @@ def plain_gradients(
     xs: Sequence[tf.Tensor],
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
+    unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
 ) -> list[Gradient | None]:
-    """What `tf.gradients` gives, nothing recomputed (None for unconnected xs)."""
+    """What `tf.gradients` gives, nothing recomputed."""
     return _tf.tensorflow_gradients(
         list(ys),
         list(xs),
@@ -261,6 +260,7 @@ def plain_gradients(
         gate_gradients=options.gate_gradients,
         aggregation_method=options.aggregation_method,
         stop_gradients=list(options.stop_gradients),
+        unconnected_gradients=unconnected_gradients,
     )
 
 

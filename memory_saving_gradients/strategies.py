@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from memory_saving_gradients import _tf
 from memory_saving_gradients.planner import Plan, plan_checkpoints
 from memory_saving_gradients.rewrite import ops_recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -48,7 +49,8 @@ def from_collection(view: ForwardView) -> list[tf.Tensor]:
 
 
 def speed(view: ForwardView) -> list[tf.Tensor]:
-    """Outputs of matmuls and convolutions: only cheap ops are recomputed, each once.
+    """Outputs of matmuls and convolutions, and of function calls (nested `tf.function`s,
+    control flow) that run one: only cheap ops are recomputed, each once.
 
     Where a path escapes them (the skip path of a residual network), every segment behind it
     would recompute it again, so the last ops of such paths are kept too.
@@ -56,7 +58,7 @@ def speed(view: ForwardView) -> list[tf.Tensor]:
     kept = {
         out.ref(): out
         for op in view.ops
-        if op in view.recomputable and op.type in EXPENSIVE_OP_TYPES
+        if op in view.recomputable and _is_expensive(op)
         for out in op.outputs
     }
     while repeated := ops_recomputed_repeatedly(view, list(kept.values())):
@@ -67,6 +69,12 @@ def speed(view: ForwardView) -> list[tf.Tensor]:
             if any(reader not in repeated for reader in view.consumers(out))
         )
     return list(kept.values())
+
+
+def _is_expensive(op: tf.Operation) -> bool:
+    return op.type in EXPENSIVE_OP_TYPES or not EXPENSIVE_OP_TYPES.isdisjoint(
+        _tf.called_op_types(op)
+    )
 
 
 def memory(view: ForwardView) -> list[tf.Tensor]:

@@ -1,0 +1,233 @@
+"""Wherever tf.gradients answers, the checkpointed gradients give the same answer.
+
+Regression tests for code this project did not write: nested tf.function layers and Defun
+compositions (call ops), Keras applications with TensorFlow's graph optimizers on, the corners
+of the tf.gradients contract, and patched TensorFlow's callers.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import function
+from tensorflow.python.ops import list_ops
+
+import memory_saving_gradients as msg
+from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
+
+tf1 = tf.compat.v1
+STRATEGIES = ["memory", "balanced", "speed"]
+
+
+def nested_function_chain(depth: int = 12, width: int = 64):
+    """The issue's chain: each layer a nested tf.function, so a call op in the outer graph."""
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable(rng.standard_normal((width, width)).astype("f4") / 8) for _ in range(depth)]
+    x = tf.constant(rng.standard_normal((32, width)).astype("f4"))
+
+    @tf.function
+    def layer(h, w):
+        return tf.tanh(tf.matmul(h, w))
+
+    def loss():
+        h = x
+        for w in ws:
+            h = layer(h, tf.convert_to_tensor(w))
+        return tf.reduce_sum(h * h)
+
+    return ws, loss
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nested_tf_function_layers_under_patch(strategy):
+    """Each boundary made by a call op used to be crossed twice (2x for 9 of 12 weights);
+    'speed' found no matmul in the outer graph and refused."""
+    ws, loss = nested_function_chain()
+    reference = tf.function(lambda: tf.gradients(loss(), ws))()
+    recomputed = []
+
+    def checkpointed():
+        grads = tf.gradients(loss(), ws)
+        recomputed.append(any("/recompute_" in op.name for op in grads[0].graph.get_operations()))
+        return grads
+
+    with msg.patched(strategy):
+        got = tf.function(checkpointed)()
+    assert recomputed == [True]
+    assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
+
+
+def test_checkpoint_at_a_defun_call():
+    """tf.compat.v1 Defun composition with a checkpoint at a call's output (was 80, not 40)."""
+
+    @function.Defun(tf.float32)
+    def square(v):
+        return v * v
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3])
+        first = square(x)
+        second = square(tf.sin(first))
+        y = tf.reduce_sum(square(tf.cos(second)))
+        reference = tf1.gradients(y, x)
+        got = msg.gradients(y, x, checkpoints=[first, second])
+        assert_recomputes(tf1.get_default_graph())
+        with tf1.Session() as session:
+            want, have = session.run([reference, got], {x: [0.5, 1.0, 2.0]})
+    assert_same_gradients(want, have)
+
+
+def keras_gradients(model, strategy, batch: int = 2):
+    """(tf.gradients, checkpointed) of a classification loss, in two separate tf.functions
+    (reference gradient ops in the same graph would change what grappler fuses)."""
+    shape = (batch, *model.input_shape[1:])
+    x = tf.constant(np.random.default_rng(0).random(shape).astype("f4"))
+    labels = tf.constant(np.arange(batch) % model.output_shape[-1])
+
+    def run(gradients):
+        @tf.function
+        def step():
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits))
+            return gradients(loss, model.trainable_variables)
+
+        return [g.numpy() for g in step()]
+
+    reference = run(tf.gradients)
+    got = run(lambda loss, xs: msg.gradients(loss, xs, checkpoints=strategy))
+    return reference, got
+
+
+def assert_close_to_scale(reference, got, rtol=1e-5):
+    """Equal to round-off: each gradient to `rtol` of its own largest entry, or of the largest
+    of all where it is (analytically) zero, as a bias before batch normalization is."""
+    scale = max(float(np.abs(r).max()) for r in reference)
+    assert_same_gradients(reference, got, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_keras_resnet50_with_onednn_fusions(strategy):
+    """'speed' made 2673 nodes in a cycle: oneDNN fused a bias gradient the recomputation
+    waited for with a filter gradient computed from the recomputation."""
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    assert_close_to_scale(*keras_gradients(model, strategy))
+
+
+def test_keras_convnext_with_function_call_layers():
+    """ConvNeXt's layers include call ops; 'memory' crashed in their SymbolicGradient."""
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ConvNeXtTiny(weights=None, input_shape=(32, 32, 3), classes=10)
+    assert_close_to_scale(*keras_gradients(model, "memory"))
+
+
+def chain(n: int = 6, width: int = 8):
+    x = tf1.placeholder(tf.float32, [4, width], name="x")
+    ws = [tf.Variable(np.eye(width, dtype=np.float32) * 0.9, name=f"w{i}") for i in range(n)]
+    h, hidden = x, []
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+        hidden.append(h)
+    return x, ws, hidden
+
+
+def evaluate(fetches, x):
+    with tf1.Session() as session:
+        session.run(tf1.global_variables_initializer())
+        return run_with_nones(session, fetches, {x: np.ones(x.shape, np.float32)})
+
+
+def test_indexed_slices_grad_ys_stay_sparse_like_tf_gradients():
+    with tf.Graph().as_default():
+        x, ws, hidden = chain()
+        table = tf.Variable(np.ones((5, 8), np.float32))
+        rows = tf.gather(table, [1, 3]) * tf.reduce_mean(hidden[-1])
+        sparse = tf.IndexedSlices(tf.ones([1, 8]), tf.constant([1]))
+        reference = tf1.gradients(rows, rows, grad_ys=[sparse])
+        got = msg.gradients(rows, rows, grad_ys=[sparse], checkpoints="memory")
+        assert isinstance(reference[0], tf.IndexedSlices) and isinstance(got[0], tf.IndexedSlices)
+        assert_same_gradients(*evaluate([[reference[0].values], [got[0].values]], x))
+        seed = tf.IndexedSlices(tf.ones([1, 8]), tf.constant([1]), tf.constant([2, 8]))
+        reference = tf1.gradients(rows, [rows, table, *ws], grad_ys=[seed])
+        got = msg.gradients(rows, [rows, table, *ws], grad_ys=[seed], checkpoints="memory")
+        assert_recomputes(tf1.get_default_graph())
+        assert [type(g) for g in got] == [type(g) for g in reference]
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.bool])
+def test_integer_and_boolean_ys_give_none_like_tf_gradients(dtype):
+    with tf.Graph().as_default():
+        x, ws, hidden = chain()
+        counted = tf.cast(hidden[-1] > 0, dtype)
+        assert tf1.gradients(counted, ws) == [None] * len(ws)
+        assert msg.gradients(counted, ws, checkpoints="memory") == [None] * len(ws)
+        zeros = msg.gradients(counted, ws, checkpoints="memory", unconnected_gradients="zero")
+        assert all(z is not None for z in zeros)
+        loss = tf.reduce_sum(hidden[-1])
+        reference = tf1.gradients([counted, loss], ws)
+        got = msg.gradients([counted, loss], ws, checkpoints="memory")
+        assert_recomputes(tf1.get_default_graph())
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_variant_ys_with_variant_grad_ys():
+    with tf.Graph().as_default():
+        x, ws, hidden = chain()
+        listed = list_ops.tensor_list_from_tensor(hidden[-1], element_shape=[8])
+        seed = list_ops.tensor_list_from_tensor(tf.ones([4, 8]), element_shape=[8])
+        reference = tf1.gradients(listed, ws, grad_ys=[seed])
+        got = msg.gradients(listed, ws, grad_ys=[seed], checkpoints="memory")
+        assert_same_gradients(*evaluate([reference, got], x))
+
+
+def test_ys_captured_from_an_enclosing_graph():
+    def outer(gradients):
+        @tf.function
+        def run(v):
+            y = tf.tanh(tf.tanh(v * 4.0))
+
+            @tf.function
+            def inner(w):
+                return [g for g in gradients(y, [v, w]) if g is not None]
+
+            return inner(v)
+
+        return [g.numpy() for g in run(tf.constant([0.1, 0.2]))]
+
+    want = outer(tf.gradients)
+    have = outer(lambda ys, xs: msg.gradients(ys, xs, checkpoints="memory"))
+    assert len(want) == len(have) == 1
+    assert_same_gradients(want, have)
+
+
+def test_invalid_unconnected_gradients_fails_first_with_tensorflows_message():
+    with tf.Graph().as_default() as graph:
+        _, ws, hidden = chain()
+        loss = tf.reduce_sum(hidden[-1])
+        before = len(graph.get_operations())
+        with pytest.raises(ValueError, match="Unknown value for unconnected_gradients: 'bogus'"):
+            msg.gradients(loss, ws, checkpoints="memory", unconnected_gradients="bogus")
+        assert len(graph.get_operations()) == before
+
+
+@pytest.mark.parametrize("strategy", ["speed", "collection"])
+def test_patched_tensorflow_never_refuses(strategy, caplog):
+    """'speed' without matmuls and an empty collection: TensorFlow's own gradients, logged."""
+    caplog.set_level(logging.INFO, logger="memory_saving_gradients")
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3])
+        y = tf.reduce_sum(tf.tanh(tf.sin(x)) * x)
+        reference = tf1.gradients(y, x)
+        with msg.patched(strategy):
+            got = tf.gradients(y, x)
+            hessian = tf.hessians(y, x)
+        with pytest.raises(msg.NoCheckpointsError):
+            msg.gradients(y, x, checkpoints=strategy)
+        with tf1.Session() as session:
+            want, have, second = session.run([reference, got, hessian], {x: [0.1, 0.2, 0.3]})
+    assert_same_gradients(want, have)
+    assert second[0].shape == (3, 3)
+    assert "Computing TensorFlow's own gradients" in caplog.text
