@@ -138,6 +138,8 @@ class _Backprop:
         """
         user_stops = self.options.stop_gradients
         copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
+        graph_ = ys[0].graph
+        first_new = len(graph_.get_operations())
         gradients = _tf.tensorflow_gradients(
             list(ys),
             [target.tensor for target in targets],
@@ -149,10 +151,58 @@ class _Backprop:
             stop_gradients=[*user_stops, *copied_stops],
             boundaries=[target.tensor for target in targets if target.stops],
         )
+        kept_parts = []
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
                 self._unwaited.append(_Part(gradient, target.gradient_of))
+                if target.gradient_of.op not in self.view.recomputable:
+                    kept_parts.append(gradient)
+        _weight_gradients_first(kept_parts, graph_.get_operations()[first_new:])
+
+
+# NOTE [weight gradients first]: a weight gradient (a Conv2DBackpropFilter) reads an
+# activation and the gradient arriving at its op; the data gradient beside it (a
+# Conv2DBackpropInput) reads the same arriving gradient and makes a new tensor the size of
+# that activation. Run in that order, the activation is freed before its gradient exists;
+# the executor, left free, sometimes runs the data gradient first and holds both (a U-Net's
+# peak varied by a third between processes). So each weight gradient part runs before the
+# other readers of the gradients it reads that its call made, unless such a reader is its
+# ancestor (a part summing two gradients reads one of them and the other's producer).
+def _weight_gradients_first(parts: Sequence[Gradient], made: Sequence[tf.Operation]) -> None:
+    position = {op: i for i, op in enumerate(made)}  # TensorFlow makes ops after their inputs
+    part_ops = {t.op for t in _flat(parts)}
+    for op in part_ops:
+        for reader in {
+            reader
+            for t in op.inputs
+            if t.op in position
+            for reader in t.consumers()
+            if reader in position and reader not in part_ops
+        }:
+            if not _reaches(reader, op, position):
+                _tf.add_control_inputs(reader, [op])
+
+
+def _reaches(start: tf.Operation, end: tf.Operation, position: dict) -> bool:
+    """Whether `end` reads, through ops of `position`, what `start` makes."""
+    if position[start] > position[end]:
+        return False
+    seen, stack = set(), [start]
+    while stack:
+        op = stack.pop()
+        if op is end:
+            return True
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(
+            reader
+            for t in op.outputs
+            for reader in t.consumers()
+            if reader in position and position[reader] <= position[end]
+        )
+    return False
 
 
 def checkpointed_gradients(

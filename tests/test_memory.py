@@ -202,3 +202,53 @@ def test_recomputation_waits_for_the_weight_gradients_of_the_segment_before():
     # Measured: plain 37, checkpointed 10 (33 when recomputation waits for the incoming
     # gradients only); the 3 on top of the activations are gradient temporaries.
     assert checkpointed <= shrinking_segments_peak(n) + 3, (checkpointed, plain)
+
+
+def two_branch_peak_mb(n: int, k: int, checkpointed: bool) -> float:
+    """Two independent chains of n tanh ops joined at the end by a product (so backprop needs
+    both forward passes), checkpointed at their k-th outputs."""
+
+    def build():
+        starts = [tf.Variable(tf.ones([MB]) * scale) for scale in (1.0, 0.5)]
+        branches = [[start.read_value()] for start in starts]
+        for _ in range(n):
+            for branch in branches:
+                branch.append(tf.tanh(branch[-1]))
+        y = tf.reduce_sum(branches[0][-1] * branches[1][-1])
+        if not checkpointed:
+            return tf1.gradients(y, starts)
+        return msg.gradients(y, starts, checkpoints=[branch[k] for branch in branches])
+
+    return step_peak_mb(build)
+
+
+def test_independent_branches_are_recomputed_one_after_the_other():
+    """Segments of one level that do not depend on each other get steps of their own; each
+    step starts once the steps before it are done. The forward pass ends holding both
+    branches' last n - k outputs and both checkpoints; recomputing the branches one at a time
+    never needs more."""
+    n, k = 12, 8
+    plain = two_branch_peak_mb(n, k, checkpointed=False)
+    checkpointed = two_branch_peak_mb(n, k, checkpointed=True)
+    assert plain == pytest.approx(2 * n, abs=2)
+    assert checkpointed <= 2 * (n - k) + 2 + SLACK_MB
+
+
+def test_weight_gradients_run_before_the_data_gradients_beside_them():
+    """NOTE [weight gradients first] in rewrite.py: a recomputed convolution's filter gradient
+    frees its input activation before the input gradient allocates its own."""
+    with tf.Graph().as_default() as graph:
+        x = tf.Variable(tf.ones([2, 8, 8, 4]), trainable=False).read_value()
+        kernels = [tf.Variable(tf.ones([3, 3, 4, 4]) * 0.1) for _ in range(4)]
+        h = x
+        for kernel in kernels:
+            h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
+        msg.gradients(tf.reduce_sum(h), kernels, checkpoints=[h.op.inputs[0]])
+    ordered = [
+        op
+        for op in graph.get_operations()
+        if op.type == "Conv2DBackpropInput" and "/recompute_" in op.name
+    ]
+    assert ordered
+    for op in ordered:
+        assert any(c.type == "Conv2DBackpropFilter" for c in op.control_inputs), op.name
