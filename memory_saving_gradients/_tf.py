@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
     control_flow_util,
@@ -91,7 +92,8 @@ def gate(
         else:
             with graph.device(tensors[-1].op.device), tf_ops.control_dependencies(waits):
                 zero = _zero_computed_from(tensors)
-            gated = [_passed_after(tensor, zero) for tensor in tensors]
+            starts: dict[int | None, tf.Tensor] = {}
+            gated = [_passed_after(tensor, zero, starts) for tensor in tensors]
     for tensor, output in zip(tensors, gated, strict=True):
         output.set_shape(tensor.shape)
         handle_data_util.copy_handle_data(tensor, output)
@@ -104,23 +106,29 @@ def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     if not numbers:
         with tf_ops.control_dependencies([t.op for t in tensors]):
             return tf.identity(tf.constant(0, tf.int64), name="zero")
-    firsts = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in numbers]
-    first = tf.reduce_max(tf.concat(firsts, axis=0))
+    firsts = [tf.reshape(t, [-1])[:1] for t in numbers]
+    firsts = [t if t.dtype == tf.float32 else tf.cast(t, tf.float32) for t in firsts]
+    first = tf.reduce_max(tf.concat(firsts, axis=0) if len(firsts) > 1 else firsts[0])
     nan = tf.math.is_nan(first)
     return tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64, name="zero")
 
 
-def _passed_after(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:
     """`tensor`, read once `zero` exists: a whole-extent slice where slicing applies (it hands
-    on the same buffer), an identity waiting for `zero` otherwise (resources, variants)."""
+    on the same buffer), an identity waiting for `zero` otherwise (resources, variants).
+    `starts` shares the slices' starts, one per rank."""
     with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
         if tensor.dtype in (tf.resource, tf.variant):
             with tf_ops.control_dependencies([zero]):
                 return gen_array_ops.identity(tensor)
         end = tf.shape(tensor, out_type=tf.int64)
-        return gen_array_ops.strided_slice(
-            tensor, tf.zeros_like(end) + zero, end, tf.ones_like(end)
-        )
+        rank = tensor.shape.rank
+        if rank is None:
+            return gen_array_ops.strided_slice(tensor, end * zero, end, tf.ones_like(end))
+        if rank not in starts:
+            starts[rank] = (tf.fill([rank], zero), tf.ones([rank], tf.int64))
+        begin, strides = starts[rank]
+        return gen_array_ops.strided_slice(tensor, begin, end, strides)
 
 
 def is_function_call(op: tf.Operation) -> bool:
@@ -179,6 +187,55 @@ def _library_function(graph: tf.Graph, name: str):
             return function
         graph = getattr(graph, "outer_graph", None)
     return None
+
+
+class GradientAside(NamedTuple):
+    """An op's registered gradient, built once more in a function body of its own.
+
+    Attributes:
+      graph: the function body.
+      output_gradients: placeholders standing for the gradients of the op's outputs (None for
+        outputs that take none).
+      input_gradients: what the gradient function returned for each input.
+      read: for each outer tensor (by id) the gradient read, its placeholder in `graph`.
+    """
+
+    graph: tf.Graph
+    output_gradients: list
+    input_gradients: list
+    read: dict[int, tf.Tensor]
+
+
+def gradient_aside(op: tf.Operation) -> GradientAside | None:
+    """`op`'s registered gradient built in a function body of its own, to see what it reads and
+    makes; None where that cannot be done without side effects (function calls and control
+    flow rewrite their forward op, custom gradients), or `op` has no gradient."""
+    if (
+        op._gradient_function is not None
+        or is_function_call(op)
+        or "_gradient_op_type" in op.node_def.attr
+    ):
+        return None
+    try:
+        function = tf_ops._gradient_registry.lookup(op.type)
+    except LookupError:
+        return None
+    if function is None:
+        return None
+    body = func_graph.FuncGraph("gradient_aside")
+    body.outer_graph = op.graph
+    try:
+        with body.as_default():
+            output_gradients = [
+                tf.compat.v1.placeholder(t.dtype, t.shape) if is_differentiable(t) else None
+                for t in op.outputs
+            ]
+            gradients = function(op, *output_gradients)
+    except Exception:  # a gradient that cannot be built aside: its use stays unknown
+        return None
+    gradients = list(gradients) if isinstance(gradients, (list, tuple)) else [gradients]
+    read = {id(outer): inner for outer, inner in body.captures}
+    return GradientAside(body, output_gradients, gradients, read)
 
 
 def is_differentiable(tensor: tf.Tensor) -> bool:

@@ -120,7 +120,10 @@ def _independent_groups(
 ) -> list[tuple[tf.Operation, ...]]:
     """The boundary ops of one level in groups whose segments share no op, latest group first
     (the order backprop reaches them in). Segments of one level never read each other's
-    boundaries, so only shared ops tie them together."""
+    boundaries, so only shared ops tie them together. Segments that recompute nothing
+    (variable reads) form one group: they allocate nothing, and each TensorFlow gradient call
+    walks everything downstream of what it differentiates against (for a variable, the rest
+    of the graph), so one call for all of them keeps building linear."""
     group_of: dict[tf.Operation, int] = {}
     parent: list[int] = []
 
@@ -131,14 +134,16 @@ def _independent_groups(
         return i
 
     members = sorted(level, key=order)
+    kept_only = [i for i, op in enumerate(members) if not segments[op].ops]
     for i, op in enumerate(members):
         parent.append(i)
-        segment = segments[op]
-        for recomputed in segment.ops:
+        for recomputed in segments[op].ops:
             if recomputed in group_of:
                 parent[find(group_of[recomputed])] = find(i)
             else:
                 group_of[recomputed] = i
+    for i in kept_only[1:]:
+        parent[find(i)] = find(kept_only[0])
     groups: dict[int, list[tf.Operation]] = {}
     for i, op in enumerate(members):
         groups.setdefault(find(i), []).append(op)
