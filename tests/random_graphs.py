@@ -3,6 +3,13 @@
 A program is a list of steps, each applying one kind of op to earlier values (its operands are
 indices into the values made so far). Values keep shapes that broadcast against [BATCH, WIDTH],
 and every op keeps magnitudes bounded, so gradients stay finite and comparable.
+
+Besides elementwise ops, matmuls, concat/split and reductions, steps build function-call ops
+(nested `tf.function` layers, stateless or reading variables, each called more than once, one
+with a `tf.custom_gradient` inside) and the patterns oneDNN's graph rewrites fuse:
+conv2d + bias_add + fused batch norm + relu (training and inference mode), matmul + bias_add +
+relu, depthwise conv2d + bias_add + relu6. Convolutions see a [BATCH, WIDTH] value as one
+[1, BATCH, WIDTH / 2, 2] image.
 """
 
 from __future__ import annotations
@@ -29,6 +36,29 @@ ARITY = {
     "mean_rows": 1,
     "mean_columns": 1,
     "stop_gradient": 1,
+    "custom_gradient": 1,
+    "matmul_bias_relu": 1,
+    "conv_bn_relu": 1,
+    "conv_bn_relu_inference": 1,
+    "depthwise_bias_relu6": 1,
+    "call_stateless": 1,
+    "call_variable": 1,
+    "call_nested": 2,
+    "call_custom_gradient": 1,
+}
+#: Image shape of a value for convolutions, and their channels.
+IMAGE, CHANNELS = [1, BATCH, WIDTH // 2, 2], 2
+#: kind -> shapes of the variables each of its steps creates, in the order it reads them.
+_KERNEL, _CHANNEL = [3, 3, CHANNELS, CHANNELS], [CHANNELS]
+PARAMETERS = {
+    "matmul": [[WIDTH, WIDTH]],
+    "matmul_bias_relu": [[WIDTH, WIDTH], [WIDTH]],
+    # kernel, bias, scale, offset (then mean and variance in inference mode)
+    "conv_bn_relu": [_KERNEL, _CHANNEL, _CHANNEL, _CHANNEL],
+    "conv_bn_relu_inference": [_KERNEL, *[_CHANNEL] * 5],
+    "depthwise_bias_relu6": [[3, 3, CHANNELS, 1], _CHANNEL],
+    "call_stateless": [[WIDTH, WIDTH]],
+    "call_variable": [[WIDTH, WIDTH]],
 }
 STRATEGIES = ("memory", "balanced", "budget", "speed", "collection", "list")
 #: Planned strategies never refuse: they may choose no checkpoints, and then gradients are plain.
@@ -85,10 +115,13 @@ def _operand(count: int) -> st.SearchStrategy[int]:
 
 @dataclasses.dataclass
 class Variables:
-    """The program's variables: created once, outside any tf.function that builds it."""
+    """The program's variables and function layers: created once, outside any tf.function
+    that builds it. `weights` holds every step's parameters in program order, then `gain`,
+    the variable the function layers read without being given it."""
 
     inputs: list[tf.Variable]
     weights: list[tf.Variable]
+    functions: Functions
 
     @classmethod
     def create(cls, program: Program) -> Variables:
@@ -97,12 +130,68 @@ class Variables:
             tf.Variable(rng.uniform(-1, 1, FULL).astype(np.float32), name=f"input{i}")
             for i in range(program.inputs)
         ]
-        matmuls = sum(kind == "matmul" for kind, _ in program.steps)
         weights = [
-            tf.Variable(rng.uniform(-0.5, 0.5, [WIDTH, WIDTH]).astype(np.float32), name=f"w{i}")
-            for i in range(matmuls)
+            tf.Variable(_initial(rng, kind, i, shape), name=f"{kind}{step}_{i}")
+            for step, (kind, _) in enumerate(program.steps)
+            for i, shape in enumerate(PARAMETERS.get(kind, []))
         ]
-        return cls(inputs, weights)
+        gain = tf.Variable(rng.uniform(0.5, 1.5, [WIDTH]).astype(np.float32), name="gain")
+        if any(kind == "call_variable" for kind, _ in program.steps):
+            weights.append(gain)
+        return cls(inputs, weights, Functions(gain))
+
+
+def _initial(rng: np.random.RandomState, kind: str, index: int, shape) -> np.ndarray:
+    """Weights in [-0.5, 0.5]; batch-norm scales and variances (parameters 2 and 5 of a conv
+    step) in [0.5, 1.5]."""
+    positive = kind.startswith("conv_bn") and index in (2, 5)
+    low, high = (0.5, 1.5) if positive else (-0.5, 0.5)
+    return rng.uniform(low, high, shape).astype(np.float32)
+
+
+class Functions:
+    """The program's function layers, each one `tf.function` (so one function in the graph,
+    called by a call op at every use).
+
+    `dense` is stateless: its weight comes in as a tensor. `scaled_dense` reads the variable
+    it is given and `gain`, which it captures: its call ops are stateful. `outer` calls
+    `inner` twice (a call op inside a called function). `custom` has a `tf.custom_gradient`
+    inside whose gradient is deliberately not tanh's, so taking any other route through it
+    shows."""
+
+    def __init__(self, gain: tf.Variable) -> None:
+        @tf.function
+        def dense(h, w):
+            return tf.tanh(tf.matmul(h, w))
+
+        @tf.function
+        def scaled_dense(h, w):
+            return tf.tanh(tf.matmul(h, w) * gain)
+
+        @tf.function
+        def inner(h):
+            return tf.sin(h) + 0.5 * h
+
+        @tf.function
+        def outer(a, b):
+            return inner(a) * tf.tanh(inner(b))
+
+        @tf.function
+        def custom(h):
+            return 0.5 * odd_tanh(h) + tf.sigmoid(h)
+
+        self.dense, self.scaled_dense, self.outer, self.custom = dense, scaled_dense, outer, custom
+
+
+@tf.custom_gradient
+def odd_tanh(x):
+    """tanh, whose gradient is 0.5 * tanh' + 0.1 instead of tanh'."""
+    y = tf.tanh(x)
+
+    def grad(dy):
+        return dy * (0.5 * (1.0 - y * y) + 0.1)
+
+    return y, grad
 
 
 @dataclasses.dataclass
@@ -118,7 +207,9 @@ def build(program: Program, variables: Variables) -> Built:
     weights = iter(variables.weights)
     values = [v.read_value() for v in variables.inputs]
     for kind, operands in program.steps:
-        values.extend(_apply(kind, [values[i] for i in operands], weights))
+        parameters = [next(weights) for _ in PARAMETERS.get(kind, [])]
+        args = [values[i] for i in operands]
+        values.extend(_apply(kind, args, parameters, variables.functions))
     ys = [values[i] for i in program.ys]
     grad_ys = None
     if program.grad_ys:
@@ -138,7 +229,11 @@ def _full(t: tf.Tensor) -> tf.Tensor:
     return t if t.shape.as_list() == FULL else tf.broadcast_to(t, FULL)
 
 
-def _apply(kind: str, args: list[tf.Tensor], weights) -> list[tf.Tensor]:
+def _image(t: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(_full(t), IMAGE)
+
+
+def _apply(kind: str, args: list[tf.Tensor], weights: list, functions: Functions):
     a = args[0]
     if kind == "tanh":
         return [tf.tanh(a)]
@@ -169,7 +264,20 @@ def _apply(kind: str, args: list[tf.Tensor], weights) -> list[tf.Tensor]:
     if kind == "add_broadcast_row":
         return [a + tf.reduce_mean(args[1], axis=0, keepdims=True)]
     if kind == "matmul":
-        return [tf.matmul(_full(a), next(weights))]
+        return [tf.matmul(_full(a), weights[0])]
+    if kind in FUSABLE:
+        return [FUSABLE[kind](a, *weights)]
+    if kind == "custom_gradient":
+        return [odd_tanh(a)]
+    if kind == "call_stateless":  # the weight read outside: a stateless call op
+        w = tf.convert_to_tensor(weights[0])
+        return [functions.dense(functions.dense(_full(a), w), w)]
+    if kind == "call_variable":  # the variable read inside: stateful call ops
+        return [functions.scaled_dense(functions.scaled_dense(_full(a), weights[0]), weights[0])]
+    if kind == "call_nested":
+        return [functions.outer(_full(a), _full(args[1]))]
+    if kind == "call_custom_gradient":
+        return [functions.custom(_full(a))]
     if kind == "matmul_two":
         return [tf.matmul(_full(a), tf.transpose(_full(args[1]))) @ tf.ones([BATCH, WIDTH]) / 4]
     if kind == "concat_split":
@@ -183,3 +291,30 @@ def _apply(kind: str, args: list[tf.Tensor], weights) -> list[tf.Tensor]:
     if kind == "mean_columns":
         return [tf.reduce_mean(a, axis=0, keepdims=True)]
     raise ValueError(kind)
+
+
+def _matmul_bias_relu(a, w, b):
+    return tf.nn.relu(tf.nn.bias_add(tf.matmul(_full(a), w), b))
+
+
+def _conv_bn_relu(a, kernel, bias, scale, offset, mean=None, variance=None):
+    """Inference mode (mean and variance given) is the pattern fused into one convolution;
+    a large epsilon keeps the normalization of 6 values per channel bounded."""
+    h = tf.nn.bias_add(tf.nn.conv2d(_image(a), kernel, strides=1, padding="SAME"), bias)
+    h, _, _ = tf.compat.v1.nn.fused_batch_norm(
+        h, scale, offset, mean, variance, epsilon=0.1, is_training=mean is None
+    )
+    return tf.reshape(tf.nn.relu(h), FULL)
+
+
+def _depthwise_bias_relu6(a, kernel, bias):
+    h = tf.nn.depthwise_conv2d(_image(a), kernel, strides=[1, 1, 1, 1], padding="SAME")
+    return tf.reshape(tf.nn.relu6(tf.nn.bias_add(h, bias)), FULL)
+
+
+FUSABLE = {
+    "matmul_bias_relu": _matmul_bias_relu,
+    "conv_bn_relu": _conv_bn_relu,
+    "conv_bn_relu_inference": _conv_bn_relu,
+    "depthwise_bias_relu6": _depthwise_bias_relu6,
+}

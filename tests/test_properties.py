@@ -2,10 +2,13 @@
 error is raised.
 
 Random DAGs of elementwise ops, matmuls, concat/split, reductions, broadcasting, residual and
-multi-branch joins, with several ys and xs (variables and intermediate tensors), optional
-grad_ys, every strategy, and random checkpoint lists that may name xs, ys, duplicates, side
-branches and tensors off every path from xs to ys. MSG_PROPERTY_EXAMPLES sets how many graphs
-each test tries (default 200 in a Session, a quarter of that in tf.function).
+multi-branch joins, function-call ops (nested tf.function layers, stateless and reading
+variables, a tf.custom_gradient inside), and patterns oneDNN fuses (conv2d + bias + fused batch
+norm + relu, matmul + bias + relu, depthwise conv2d + bias + relu6), with several ys and xs
+(variables and intermediate tensors), optional grad_ys, every strategy, and random checkpoint
+lists that may name xs, ys, duplicates, side branches and tensors off every path from xs to ys.
+MSG_PROPERTY_EXAMPLES sets how many graphs each test tries (default 200 in a Session, a
+quarter of that in tf.function).
 """
 
 import os
@@ -16,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 import memory_saving_gradients as msg
 from tests.helpers import assert_same_gradients, run_with_nones
-from tests.random_graphs import PLANNED, Program, Variables, build, programs
+from tests.random_graphs import FUSABLE, PLANNED, Program, Variables, build, programs
 
 tf1 = tf.compat.v1
 EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
@@ -32,6 +35,9 @@ COMMON = {
 
 def checkpointed(program: Program, built) -> list | None:
     """msg.gradients for the program, or None when it raises the documented error."""
+    kinds = {kind for kind, _ in program.steps}
+    event(f"function calls: {any(kind.startswith('call_') for kind in kinds)}")
+    event(f"fusable patterns: {not kinds.isdisjoint(FUSABLE)}")
     if program.strategy == "list":
         checkpoints = [built.values[i] for i in program.checkpoints]
     elif program.strategy == "budget":
