@@ -68,6 +68,8 @@ def plan_checkpoints(view: ForwardView, peak_fraction: float | None = None) -> P
     smallest peak's.
     """
     order = [op for op in view.ops if op in view.recomputable]
+    if not order:
+        return Plan((), 0, 0)
     held, cut_bytes, unheld_cut_bytes, lifetimes = _costs(view, order)
     plain_peak = float(held.sum())
     cut_cost = cut_bytes + TIE_BREAK * unheld_cut_bytes

@@ -115,19 +115,11 @@ def test_zoo_gradient_tape_matches_tf_gradients(name):
     assert_close_to_scale(want, result["got"])
 
 
-# Bugs found while building the zoo and the property campaign: strict xfails until fixed.
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="planner._cuts_within indexes an empty plan: a MemoryBudget (and 'balanced') with "
-    "no recomputable op between xs and ys raises IndexError instead of plain gradients",
-)
 @pytest.mark.parametrize("checkpoints", ["balanced", msg.MemoryBudget(0.5)], ids=repr)
 def test_budget_without_recomputable_ops_gives_plain_gradients(checkpoints):
-    """Found by the property tests: ys made from xs by stateful ops only (here one call of a
-    tf.function layer reading a variable). 'memory' gives plain gradients there."""
+    """Found by the property tests (was an IndexError): ys made from xs by stateful ops only
+    (here one call of a tf.function layer reading a variable). 'memory' gives plain
+    gradients there, and so must a budget."""
     w = tf.Variable([[0.5, 0.1], [0.2, 0.3]])
 
     @tf.function
