@@ -69,30 +69,31 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
 
 
 def gate(
-    tensors: Sequence[tf.Tensor], waits: Sequence[tf.Tensor], scope: str
+    tensors: Sequence[tf.Tensor], after: tf.Tensor, waits: Sequence[tf.Tensor], scope: str
 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-    """`tensors`, each passed on, placed like it, once all of `tensors` and `waits` exist.
+    """`tensors`, each passed on, placed like it, once `after` and all of `waits` exist.
     Returns the passed tensors and what later ops are to read in place of `waits`.
 
     Outside XLA a tensor passes through a StridedSlice of its whole extent (no copy) starting
-    at a zero computed, at run time, from one element of each of `tensors` and made after
-    `waits` (control dependencies, so the executor has nothing of ours to run when one of
-    `waits` is done, and runs its readers). Graph optimizers can neither fold that zero nor
-    drop the dependency, as they drop identities, IdentityN outputs nobody reads and reshapes
-    to a known shape. XLA needs static slices, ignores control dependencies and merges
-    identical computations: inside an XLA-compiled function `tensors` and `waits` go through
-    one optimization barrier, which XLA neither moves computation across nor merges.
+    at a zero computed, at run time, from one element of `after`, and made after `waits`
+    (control dependencies: when one of `waits` is done, the executor has nothing of ours to
+    run, so it runs that tensor's other readers). Graph optimizers can neither fold that
+    zero nor drop the dependency, as they drop identities, IdentityN outputs nobody reads and
+    reshapes to a known shape. XLA needs static slices, ignores control dependencies and
+    merges identical computations: inside an XLA-compiled function `tensors`, `after` and
+    `waits` go through one optimization barrier, which XLA neither moves computation across
+    nor merges.
     """
     graph = tensors[0].graph
     with _outside_caller_scopes(graph), tf_ops.name_scope(scope):
         if compiled_by_xla(graph):
             with graph.device(tensors[0].op.device):
-                outputs = gen_xla_ops.xla_optimization_barrier([*tensors, *waits])
-            gated, waits = outputs[: len(tensors)], outputs[len(tensors) :]
+                outputs = gen_xla_ops.xla_optimization_barrier([*tensors, after, *waits])
+            gated, waits = outputs[: len(tensors)], outputs[len(tensors) + 1 :]
         else:
-            with graph.device(tensors[-1].op.device), tf_ops.control_dependencies(waits):
-                zero = _zero_computed_from(tensors)
-            starts: dict[int | None, tf.Tensor] = {}
+            with graph.device(after.op.device), tf_ops.control_dependencies(waits):
+                zero = _zero_computed_from(after)
+            starts: dict[int | None, tuple] = {}
             gated = [_passed_after(tensor, zero, starts) for tensor in tensors]
     for tensor, output in zip(tensors, gated, strict=True):
         output.set_shape(tensor.shape)
@@ -100,17 +101,14 @@ def gate(
     return list(gated), list(waits)
 
 
-def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-    """An int64 zero computed from the first element of each of `tensors`."""
-    numbers = [t for t in tensors if t.dtype not in (tf.resource, tf.variant, tf.string)]
-    if not numbers:
-        with tf_ops.control_dependencies([t.op for t in tensors]):
+def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
+    """An int64 zero computed from the first element of `tensor`."""
+    if tensor.dtype in (tf.resource, tf.variant, tf.string):
+        with tf_ops.control_dependencies([tensor.op]):
             return tf.identity(tf.constant(0, tf.int64), name="zero")
-    firsts = [tf.reshape(t, [-1])[:1] for t in numbers]
-    firsts = [t if t.dtype == tf.float32 else tf.cast(t, tf.float32) for t in firsts]
-    first = tf.reduce_max(tf.concat(firsts, axis=0) if len(firsts) > 1 else firsts[0])
-    nan = tf.math.is_nan(first)
-    return tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64, name="zero")
+    first = tf.reshape(tensor, [-1])[:1]
+    nan = tf.math.is_nan(first if first.dtype.is_floating else tf.cast(first, tf.float32))
+    return tf.reduce_sum(tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64), name="zero")
 
 
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:

@@ -115,7 +115,8 @@ class _Backprop:
             return [], incoming
         waited, self._unwaited = self._unwaited, []
         waited_parts = [part.gradient for part in waited]
-        gated, passed = _tf.gate([*read, *_flat(incoming)], _flat(waited_parts), scope)
+        arriving = _flat(incoming)
+        gated, passed = _tf.gate([*read, *arriving], arriving[0], _flat(waited_parts), scope)
         gated_incoming = tf.nest.pack_sequence_as(
             incoming, gated[len(read) :], expand_composites=True
         )
@@ -221,14 +222,13 @@ def checkpointed_gradients(
 
     with view.ys[0].graph.name_scope(options.name) as scope:
         last = schedule.last
-        frontier = {t.ref() for t in last.frontier}
+        ys = {y.ref() for y in view.ys}
+        targeted = {t.ref() for t in (*last.frontier, *last.xs)}
+        xs_of_ys = [x for x in view.xs if x.ref() in ys and x.ref() not in targeted]
         ys_targets = [
             *(_Target(t, t) for t in last.frontier),
-            *(
-                _Target(x, x, stops=schedule.is_boundary(x))
-                for x in view.xs
-                if x.ref() not in frontier
-            ),
+            *(_Target(x, x, stops=False) for x in last.xs),
+            *(_Target(x, x, stops=schedule.is_boundary(x)) for x in xs_of_ys),
         ]
         backprop.differentiate(view.ys, grad_ys, ys_targets, {})
         for depth, step in enumerate(schedule.steps):

@@ -63,15 +63,15 @@ def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():
         weight_part = tf.constant([7.0])
         with tf.device("/device:CPU:1"), tf1.control_dependencies([v.op]), tf.name_scope("s"):
             (gated_x, gated_handle, gated_gradient), waits = _tf.gate(
-                [x, v.handle, gradient], [weight_part], scope="step/"
+                [x, v.handle, gradient], gradient, [weight_part], scope="step/"
             )
         assert waits == [weight_part]
         assert gated_x.op.device == x.op.device
         assert gated_x.shape.as_list() == [None, 3]
         assert gated_x.op.name.startswith("step/")
         assert not gated_x.op.control_inputs
-        # Each passed tensor depends by data on a zero that reads every tensor passed and
-        # waits (control) for the waits.
+        # Each passed tensor depends by data on a zero that reads `after` and waits (control)
+        # for the waits.
         zero = gated_x.op.inputs[1].op.inputs[1].op
         assert zero.name == "step/zero"
         upstream = set()
@@ -81,7 +81,7 @@ def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():
             if op not in upstream:
                 upstream.add(op)
                 stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-        assert {gradient.op, weight_part.op, x.op} <= upstream
+        assert {gradient.op, weight_part.op} <= upstream
         read = tf.raw_ops.ReadVariableOp(resource=gated_handle, dtype=tf.float32)
         assert read.shape.as_list() == [2]  # the handle's data (shape, dtype) came along
         value = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -97,7 +97,7 @@ def test_gate_survives_graph_optimizers_as_an_ordering():
     with tf.Graph().as_default() as graph:
         x = tf.Variable(tf.ones([4])).read_value()
         wait = tf.reduce_sum(tf.sin(x))
-        (gated,), _ = _tf.gate([x], [wait], scope="step/")
+        (gated,), _ = _tf.gate([x], wait, [], scope="step/")
         fetch = tf.tanh(gated)
         init = tf1.global_variables_initializer()
     metadata = tf1.RunMetadata()
@@ -119,7 +119,7 @@ def test_gate_is_an_optimization_barrier_under_xla():
 
     @tf.function(jit_compile=True)
     def step(x, g):
-        (gated,), (passed,) = _tf.gate([x], [g], scope="step/")
+        (gated,), (passed,) = _tf.gate([x], g, [g], scope="step/")
         seen["type"] = gated.op.type
         seen["shared"] = gated.op is passed.op
         return gated * 2.0 + passed
