@@ -5,6 +5,7 @@
     with msg.GradientTape(checkpoints="memory") as tape: ...       # in place of tf.GradientTape
     msg.keras.enable(model, checkpoints="memory")                  # Keras model.fit
     msg.patch("memory")   # or: every tf.gradients / Optimizer.minimize call checkpoints
+    print(msg.plan(loss, variables, checkpoints="memory"))  # what it keeps, predicted peaks
 
 Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
 """
@@ -15,8 +16,10 @@ from memory_saving_gradients.api import (
     gradients_collection,
     gradients_memory,
     gradients_speed,
+    plan,
 )
 from memory_saving_gradients.patch import patch, patched, unpatch
+from memory_saving_gradients.plans import Plan
 from memory_saving_gradients.strategies import (
     CHECKPOINTS_COLLECTION,
     MemoryBudget,
@@ -24,14 +27,17 @@ from memory_saving_gradients.strategies import (
     add_checkpoint,
 )
 from memory_saving_gradients.tape import GradientTape
+from memory_saving_gradients.view import ForwardView
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CHECKPOINTS_COLLECTION",
+    "ForwardView",
     "GradientTape",
     "MemoryBudget",
     "NoCheckpointsError",
+    "Plan",
     "add_checkpoint",
     "gradients",
     "gradients_collection",
@@ -40,5 +46,6 @@ __all__ = [
     "keras",
     "patch",
     "patched",
+    "plan",
     "unpatch",
 ]

@@ -20,10 +20,12 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, inputs, rewrite
+from memory_saving_gradients.plans import Plan
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
 from memory_saving_gradients.strategies import (
     CheckpointsArg,
     NoCheckpointsError,
+    log_plan,
     select_checkpoints,
 )
 from memory_saving_gradients.view import ForwardView
@@ -116,21 +118,49 @@ def compute_gradients(
 def _checkpointed(
     args: inputs.Arguments, unique_xs, checkpoints, options: GradientOptions, refuse: bool
 ) -> list:
-    view = ForwardView.build(args.ys, unique_xs)
+    view = ForwardView.build(args.ys, unique_xs, args.grad_ys is not None)
     _report_unreachable(view)
     try:
-        chosen = select_checkpoints(view, checkpoints)
+        plan = select_checkpoints(view, checkpoints)
     except NoCheckpointsError as error:
         if refuse:
             raise
         logger.info("%s Computing TensorFlow's own gradients.", error)
-        chosen = []
-    if not chosen:
+        plan = None
+    if plan is None or not plan.checkpoints:
         logger.info("No checkpoints chosen: computing plain gradients.")
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
-    logger.info("Checkpointing %d tensors.", len(chosen))
-    logger.debug("Checkpoints: %s", [t.name for t in chosen])
-    return rewrite.checkpointed_gradients(view, chosen, args.grad_ys, options)
+    log_plan(plan)
+    return rewrite.checkpointed_gradients(view, plan.levels, args.grad_ys, options)
+
+
+@tf.autograph.experimental.do_not_convert
+def plan(
+    ys: TensorLike | Sequence[TensorLike],
+    xs: TensorLike | Sequence[TensorLike],
+    checkpoints: CheckpointsArg = "memory",
+    grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
+) -> Plan:
+    """What `gradients(ys, xs, grad_ys, checkpoints)` would keep, and what that is predicted to
+    cost, without building any gradient: print it for a table, pass it back as
+    `checkpoints=plan` to use it as it is.
+
+    Raises:
+      RuntimeError: called eagerly, outside any graph.
+      TypeError, ValueError, NoCheckpointsError: as `gradients`; also ValueError where only
+        TensorFlow's own gradients apply (composite values, values captured across
+        function boundaries).
+    """
+    inputs.check_graph_mode()
+    args = inputs.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
+    if args.only_tensorflow:
+        raise ValueError(
+            f"No plan: only TensorFlow's own gradients apply here ({args.only_tensorflow})."
+        )
+    with args.graph.as_default():
+        flowing = args.without_constant_ys()
+        view = ForwardView.build(flowing.ys, args.unique_xs, flowing.grad_ys is not None)
+        return select_checkpoints(view, checkpoints)
 
 
 def _report_unreachable(view: ForwardView) -> None:

@@ -1,4 +1,4 @@
-"""Choose checkpoints that minimise the estimated peak memory of the backward pass.
+"""Choose checkpoints for a peak: cuts of the forward pass, nested where one level is not enough.
 
 Cut a topological order of the recomputable ops at any point, and the tensors alive across
 that point (made before it, read after it) separate the two halves: keeping them lets the half
@@ -7,40 +7,33 @@ after the cut be recomputed without the half before. The single-tensor cuts are 
 blocks), so a plan exists for every graph.
 
 Backprop runs over the segments between cuts from last to first. While it differentiates a
-segment it holds that segment's recomputed activations plus the cuts before it: the cuts after
-it are spent. So the peak is the largest, over segments, of "cuts before + segment", and the
-best plans make segments shorter towards the end. On a uniform chain of n layers the optimum
-keeps about sqrt(2n) tensors in segments that shrink by one layer each, for a peak of about
-sqrt(2n) activations, where equal segments (Chen et al. 2016) need 2 sqrt(n).
+segment it holds what that segment's gradients read plus the cuts before it: the cuts after it
+are spent. So the peak is the largest, over segments, of "cuts before + segment", and the best
+plans make segments shorter towards the end. On a uniform chain of n layers the optimum keeps
+about sqrt(2n) tensors in segments that shrink by one layer each, for a peak of about sqrt(2n)
+activations, where equal segments (Chen et al. 2016) need 2 sqrt(n). For a peak, a dynamic
+programme over the order finds whether cuts meet it, and the cheapest such cuts; a bisection
+finds the smallest peak one level of cuts can meet.
 
-For a candidate peak, a dynamic programme over the order finds whether cuts meet it, and the
-cheapest such cuts; a bisection finds the smallest peak that can be met.
+Below that, segments are cut again (nested recomputation): a segment recomputed with inner
+cuts holds only those and one inner segment at a time, and its inner segments are recomputed
+once more when backprop reaches them. Top-level cuts are then chosen for a larger peak, each
+segment is planned within what the cuts before it leave, recursively, and of the candidates
+that fit, the one recomputing least wins. Each level costs about one more forward pass and
+takes the square root of what it holds, so a few levels reach O(log n) activations on chains.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import graph
+from memory_saving_gradients import costs
 from memory_saving_gradients.view import ForwardView
-
-#: Op types whose registered gradient reads the op's outputs but not its inputs.
-GRADIENT_READS_OUTPUTS = frozenset(
-    {"Elu", "Exp", "Relu", "Relu6", "Rsqrt", "Selu", "Sigmoid", "Softmax", "Sqrt", "Tanh"}
-)
-#: Op types whose registered gradient reads no input or output values (static shapes at most).
-GRADIENT_READS_NOTHING = frozenset(
-    {
-        "Add", "AddN", "AddV2", "BiasAdd", "BroadcastTo", "Cast", "ConcatV2", "ExpandDims",
-        "Identity", "IdentityN", "Mean", "Neg", "Pack", "Pad", "Reshape", "Slice", "Snapshot",
-        "Split", "SplitV", "Squeeze", "StopGradient", "StridedSlice", "Sub", "Sum", "Transpose",
-        "Unpack",
-    }
-)  # fmt: skip
 
 #: Bisection steps on the peak: the result is within 2**-30 of the best peak the model allows.
 BISECTION_STEPS = 30
@@ -48,109 +41,228 @@ BISECTION_STEPS = 30
 #: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
 #: while a held one (the tanh output) lives on until its readers' gradients are done.
 TIE_BREAK = -1e-3
+#: Levels of recomputation nested inside the top level, at most.
+MAX_NESTING = 3
+#: Larger top-level peaks tried for nested plans, as multiples of the target.
+NESTING_SCALES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Checkpoints for one view, with the estimates that chose them (bytes)."""
+class Cuts:
+    """Cuts of an order of ops and, for each segment they make, the cuts nested in it.
 
-    checkpoints: tuple[tf.Tensor, ...]
-    estimated_peak: int
-    estimated_peak_without_checkpoints: int
-
-
-def plan_checkpoints(view: ForwardView, peak_fraction: float | None = None) -> Plan:
-    """The cuts of `view` that give the smallest estimated peak; none if cutting does not pay.
-
-    With `peak_fraction`, the cuts that recompute the least while the estimated peak stays
-    within that fraction of plain backprop's: everything before the last cut is recomputed
-    once, so these are the cuts with the earliest last cut that fit. Where no cuts fit, the
-    smallest peak's.
+    Cut `p` lies between the ops at positions `p` and `p + 1`. A segment runs from just after
+    one cut to the next; `inner[j]` cuts segment j, or is None.
     """
-    order = [op for op in view.ops if op in view.recomputable]
-    if not order:
-        return Plan((), 0, 0)
-    held, cut_bytes, unheld_cut_bytes, lifetimes = _costs(view, order)
-    plain_peak = float(held.sum())
-    cut_cost = cut_bytes + TIE_BREAK * unheld_cut_bytes
-    cuts, peak = None, plain_peak
-    if peak_fraction is not None:
-        peak = peak_fraction * plain_peak
-        cuts = _cuts_within(held, cut_cost, peak, longest_last_segment=True)
-    if cuts is None:
-        cuts, peak = _smallest_peak_cuts(held, cut_cost)
-    chosen = {
-        tensor.ref(): tensor
-        for cut in cuts
-        for tensor, made_at, last_read_at in lifetimes
-        if made_at <= cut < last_read_at
-    }
-    return Plan(tuple(chosen.values()), int(peak), int(plain_peak))
+
+    positions: tuple[int, ...]
+    inner: tuple[Cuts | None, ...]
+
+    @property
+    def levels(self) -> int:
+        """Levels of cuts, this one included."""
+        return 1 + max((c.levels for c in self.inner if c is not None), default=0)
 
 
-def _smallest_peak_cuts(held: np.ndarray, cut_cost: np.ndarray) -> tuple[list[int], float]:
-    """Bisect on the peak: the cheapest cuts meeting the smallest peak, and that peak."""
-    best_cuts: list[int] = []
+@dataclasses.dataclass(frozen=True, eq=False)
+class Order:
+    """The recomputable ops of a view in topological order, with what the cost model needs.
+
+    Attributes:
+      ops: the ops.
+      held: bytes of each op's outputs that backprop holds (some gradient reads them).
+      flops: each op's compute.
+      tensors: the tensors read after the op making them, in the order of their producers;
+        `made` and `last` give the positions of the producer and of the last reader (the
+        view's ys live to the end), `weight` the bytes a cut pays to keep each (less a tie
+        break for tensors backprop would not hold anyway).
+    """
+
+    ops: tuple[tf.Operation, ...]
+    held: np.ndarray
+    flops: np.ndarray
+    tensors: tuple[tf.Tensor, ...]
+    made: np.ndarray
+    last: np.ndarray
+    weight: np.ndarray
+
+    @classmethod
+    def of(cls, view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> Order:
+        ops = tuple(op for op in view.ops if op in view.recomputable)
+        position = {op: i for i, op in enumerate(ops)}
+        read = _read_by_gradients(view, cost)
+        always_kept = {t.ref() for t in view.must_keep}
+        ys = {y.ref() for y in view.ys}
+        held = np.zeros(len(ops))
+        tensors, made, last, weight = [], [], [], []
+        for i, op in enumerate(ops):
+            for tensor, size in zip(op.outputs, cost[op].output_bytes, strict=True):
+                if tensor.ref() in always_kept:
+                    continue
+                kept = tensor.ref() in read
+                held[i] += size * kept
+                readers = [position[r] for r in view.consumers(tensor) if r in position]
+                end = len(ops) - 1 if tensor.ref() in ys else max(readers, default=i)
+                if end > i:
+                    tensors.append(tensor)
+                    made.append(i)
+                    last.append(end)
+                    bytes_ = costs.tensor_bytes(tensor)
+                    weight.append(bytes_ if kept else bytes_ * (1 + TIE_BREAK))
+        flops = np.array([cost[op].flops for op in ops], dtype=float)
+        return cls(
+            ops, held, flops, tuple(tensors), np.array(made, dtype=int),
+            np.array(last, dtype=int), np.array(weight, dtype=float),
+        )  # fmt: skip
+
+    def cut_costs(self, start: int, end: int) -> np.ndarray:
+        """For each cut inside ops [start, end), what keeping the tensors made inside and read
+        later inside costs the model."""
+        lo, hi = np.searchsorted(self.made, [start, end])
+        inside = slice(lo, hi)
+        keep = self.last[inside] < end
+        delta = np.zeros(end - start + 1)
+        np.add.at(delta, self.made[inside][keep] - start, self.weight[inside][keep])
+        np.add.at(delta, self.last[inside][keep] - start, -self.weight[inside][keep])
+        return np.cumsum(delta)[: max(end - start - 1, 0)]
+
+
+def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple[Cuts, float]:
+    """The one-level cuts of ops [start, end) with the smallest model peak, and that peak."""
+    end = len(order.ops) if end is None else end
+    held = order.held[start:end]
+    cut_cost = order.cut_costs(start, end)
+    best: list[int] = []
     low, high = float(held.max(initial=0.0)), float(held.sum())
     for _ in range(BISECTION_STEPS if len(held) > 1 else 0):
         peak = (low + high) / 2
-        cuts = _cuts_within(held, cut_cost, peak)
-        if cuts is None:
+        found = _cuts_within(held, cut_cost, peak)
+        if found is None:
             low = peak
         else:
-            best_cuts, high = cuts, peak
-    return best_cuts, high
+            best, high = found, peak
+    return _flat(best, start), high
 
 
-def _held_for_backward(op: tf.Operation, readers: list[tf.Operation]) -> bool:
-    """Whether some gradient function reads this output of `op`, so backprop must hold it."""
-    if op.type in GRADIENT_READS_OUTPUTS:
-        return True
-    not_reading_inputs = GRADIENT_READS_OUTPUTS | GRADIENT_READS_NOTHING
-    return any(reader.type not in not_reading_inputs for reader in readers)
+def within(
+    order: Order, peak: float, start: int = 0, end: int | None = None, nesting: int = MAX_NESTING
+) -> Cuts | None:
+    """The cuts of ops [start, end) that recompute least while the model peak stays within
+    `peak`, nesting up to `nesting` levels inside; None if none fit."""
+    end = len(order.ops) if end is None else end
+    held = order.held[start:end]
+    cut_cost = order.cut_costs(start, end)
+    flat = _cuts_within(held, cut_cost, peak, longest_last_segment=True)
+    if flat is not None or nesting == 0 or end - start < 3:
+        return None if flat is None else _flat(flat, start)
+    best, best_work = None, np.inf
+    for scale in NESTING_SCALES:
+        top = _cuts_within(held, cut_cost, scale * peak, last_peak=peak)
+        if top is None or not top:
+            continue
+        plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1)
+        if plan is not None and (work := recompute_flops(order, plan, start, end)) < best_work:
+            best, best_work = plan, work
+    return best
 
 
-def _costs(view: ForwardView, order: list[tf.Operation]):
-    """Bytes each op's outputs hold for backprop; bytes alive across each cut, all and those
-    backprop would not hold anyway; tensor lifetimes.
+def _nest(order, start, end, top, cut_cost, peak, nesting) -> Cuts | None:
+    """`top` cuts with each segment but the last (which already fits) planned within what the
+    cuts before it leave of `peak`."""
+    bounds = [start, *(start + c + 1 for c in top), end]
+    spent = np.concatenate([[0.0], np.cumsum(cut_cost[top])])
+    inner: list[Cuts | None] = []
+    for j in range(len(bounds) - 1):
+        a, b = bounds[j], bounds[j + 1]
+        if j == len(bounds) - 2 or spent[j] + order.held[a:b].sum() <= peak:
+            inner.append(None)
+            continue
+        nested = within(order, peak - spent[j], a, b, nesting)
+        if nested is None:
+            return None
+        inner.append(nested)
+    return Cuts(tuple(start + c for c in top), tuple(inner))
 
-    Cut `i` lies between `order[i]` and `order[i + 1]`. A lifetime is (tensor, index of its
-    producer, index of its last reader); the view's ys live to the end.
-    """
-    position = {op: i for i, op in enumerate(order)}
-    always_kept = {t.ref() for t in view.must_keep}
-    ys = {y.ref() for y in view.ys}
-    end = len(order) - 1
-    held = np.zeros(len(order))
-    alive_delta = np.zeros(len(order) + 1)
-    unheld_delta = np.zeros(len(order) + 1)
-    lifetimes = []
-    for i, op in enumerate(order):
-        for tensor in op.outputs:
-            if tensor.ref() in always_kept:
-                continue
-            readers = view.consumers(tensor)
-            size = graph.size_in_bytes(tensor)
-            is_held = _held_for_backward(op, readers)
-            held[i] += size * is_held
-            last_read = max((position[r] for r in readers if r in position), default=i)
-            if tensor.ref() in ys:
-                last_read = end
-            if last_read > i:
-                alive_delta[i] += size
-                alive_delta[last_read] -= size
-                unheld_delta[i] += size * (not is_held)
-                unheld_delta[last_read] -= size * (not is_held)
-                lifetimes.append((tensor, i, last_read))
-    return held, np.cumsum(alive_delta)[:end], np.cumsum(unheld_delta)[:end], lifetimes
+
+def recompute_flops(order: Order, cuts: Cuts, start: int = 0, end: int | None = None) -> float:
+    """Forward compute that backprop with `cuts` repeats: every segment but the last is
+    recomputed once, plus what its own nested cuts repeat inside it."""
+    end = len(order.ops) if end is None else end
+    bounds = [start, *(p + 1 for p in cuts.positions), end]
+    work = 0.0
+    for j in range(len(bounds) - 2):
+        a, b = bounds[j], bounds[j + 1]
+        work += order.flops[a:b].sum()
+        if cuts.inner[j] is not None:
+            work += recompute_flops(order, cuts.inner[j], a, b)
+    return work
+
+
+def checkpoints_of(order: Order, cuts: Cuts) -> tuple[tuple[tf.Tensor, ...], ...]:
+    """The tensors each level of `cuts` keeps: those alive across its cuts."""
+    levels: list[dict] = []
+
+    def collect(c: Cuts, depth: int, start: int, end: int) -> None:
+        while len(levels) <= depth:
+            levels.append({})
+        for p in c.positions:
+            lo, hi = np.searchsorted(order.made, [start, p + 1])
+            for i in range(lo, hi):
+                if order.last[i] > p and (depth == 0 or order.last[i] < end):
+                    levels[depth][order.tensors[i].ref()] = order.tensors[i]
+        bounds = [start, *(p + 1 for p in c.positions), end]
+        for j, nested in enumerate(c.inner):
+            if nested is not None:
+                collect(nested, depth + 1, bounds[j], bounds[j + 1])
+
+    collect(cuts, 0, 0, len(order.ops))
+    return tuple(tuple(level.values()) for level in levels)
+
+
+def model_peak(order: Order, cuts: Cuts, start: int = 0, end: int | None = None) -> float:
+    """The model's peak with `cuts`: the largest cuts-before plus (nested) segment."""
+    end = len(order.ops) if end is None else end
+    cut_cost = order.cut_costs(start, end)
+    bounds = [start, *(p + 1 for p in cuts.positions), end]
+    spent = np.concatenate([[0.0], np.cumsum(cut_cost[[p - start for p in cuts.positions]])])
+    peak = 0.0
+    for j in range(len(bounds) - 1):
+        a, b = bounds[j], bounds[j + 1]
+        inside = (
+            order.held[a:b].sum()
+            if cuts.inner[j] is None
+            else model_peak(order, cuts.inner[j], a, b)
+        )
+        peak = max(peak, spent[j] + inside)
+    return peak
+
+
+def _flat(positions: Sequence[int], start: int) -> Cuts:
+    return Cuts(tuple(start + p for p in positions), (None,) * (len(positions) + 1))
+
+
+def _read_by_gradients(view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> set:
+    """Refs of the tensors some gradient of the view reads."""
+    return {
+        t.ref()
+        for op in view.ops
+        for t in (
+            *(op.inputs[i] for i in cost[op].saved_inputs),
+            *(op.outputs[i] for i in cost[op].saved_outputs),
+        )
+    }
 
 
 def _cuts_within(
-    held: np.ndarray, cut_cost: np.ndarray, peak: float, longest_last_segment: bool = False
+    held: np.ndarray,
+    cut_cost: np.ndarray,
+    peak: float,
+    longest_last_segment: bool = False,
+    last_peak: float | None = None,
 ) -> list[int] | None:
-    """The cheapest cuts for which every segment plus the cuts before it fits in `peak`, or
-    None if no cuts do; with `longest_last_segment`, the cheapest of those whose last segment
-    starts earliest.
+    """The cheapest cuts for which every segment plus the cuts before it fits in `peak` (the
+    last one in `last_peak`, if given), or None if no cuts do; with `longest_last_segment`,
+    the cheapest of those whose last segment starts earliest.
 
     State s stands for "a segment starts at op s", reached with cuts costing `spent[s]` before
     it (state 0, the start of the pass, costs nothing). The segment from s through op i fits
@@ -159,6 +271,8 @@ def _cuts_within(
     second heap: O(n log n).
     """
     n = len(held)
+    if n == 0:
+        return []
     held_before = np.concatenate([[0.0], np.cumsum(held)])
     spent = np.zeros(n)
     previous = np.zeros(n, dtype=int)
@@ -183,8 +297,18 @@ def _cuts_within(
         fits[i + 1] = True
         heapq.heappush(by_slack, (-(spent[i + 1] - held_before[i + 1]), i + 1))
         heapq.heappush(by_cost, (spent[i + 1], i + 1))
+    if last_peak is not None:
+        fits &= spent + held_before[n] - held_before[:n] <= last_peak
+        if not fits.any():
+            return None
+        state = (
+            int(np.argmax(fits))
+            if longest_last_segment
+            else int(np.argmin(np.where(fits, spent, np.inf)))
+        )
+    else:
+        state = int(np.argmax(fits)) if longest_last_segment else by_cost[0][1]
     cuts = []
-    state = int(np.argmax(fits)) if longest_last_segment else by_cost[0][1]
     while state > 0:
         cuts.append(state - 1)
         state = previous[state]

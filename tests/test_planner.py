@@ -78,51 +78,77 @@ def chain_view(n, width=100):
     return ForwardView.build([tf.reduce_sum(h)], [x])
 
 
+def order_of(view):
+    return planner.Order.of(view, view.costs)
+
+
+def positions(tensors):
+    return sorted(int(t.op.name.split("_")[-1]) if "_" in t.op.name else 0 for t in tensors)
+
+
 @pytest.mark.parametrize("n", [16, 49, 100])
 def test_chain_plan_keeps_about_sqrt_2n_in_shrinking_segments(n):
     with tf.Graph().as_default():
-        plan = planner.plan_checkpoints(chain_view(n))
-        positions = sorted(
-            int(t.op.name.split("_")[-1]) if "_" in t.op.name else 0 for t in plan.checkpoints
-        )
-    assert abs(len(plan.checkpoints) - math.sqrt(2 * n)) <= 2
-    gaps = np.diff(positions)
-    assert all(gaps[:-1] >= gaps[1:]), positions
-    assert plan.estimated_peak < 2 * math.sqrt(n) / n * plan.estimated_peak_without_checkpoints
+        order = order_of(chain_view(n))
+        cuts, peak = planner.smallest_peak(order)
+        (checkpoints,) = planner.checkpoints_of(order, cuts)
+    assert abs(len(checkpoints) - math.sqrt(2 * n)) <= 2
+    gaps = np.diff(positions(checkpoints))
+    assert all(gaps[:-1] >= gaps[1:]), positions(checkpoints)
+    assert peak < 2 * math.sqrt(n) / n * order.held.sum()
+    assert planner.model_peak(order, cuts) == pytest.approx(peak, rel=1e-6)
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
-def test_budget_plan_fits_and_starts_its_last_segment_earlier(fraction):
+def test_cuts_within_a_peak_fit_and_start_their_last_segment_earlier(fraction):
     with tf.Graph().as_default():
-        view = chain_view(64)
-        smallest = planner.plan_checkpoints(view)
-        budget = planner.plan_checkpoints(view, peak_fraction=fraction)
-    assert budget.estimated_peak <= fraction * budget.estimated_peak_without_checkpoints
-
-    def last_checkpoint(plan):
-        return max(int(t.op.name.split("_")[-1]) if "_" in t.op.name else 0
-                   for t in plan.checkpoints)  # fmt: skip
-
-    assert last_checkpoint(budget) < last_checkpoint(smallest)
+        order = order_of(chain_view(64))
+        smallest, _ = planner.smallest_peak(order)
+        cuts = planner.within(order, fraction * order.held.sum())
+    assert cuts.levels == 1
+    assert planner.model_peak(order, cuts) <= fraction * order.held.sum()
+    assert cuts.positions[-1] < smallest.positions[-1]
+    assert planner.recompute_flops(order, cuts) < planner.recompute_flops(order, smallest)
 
 
-def test_budget_below_the_smallest_peak_gets_the_smallest_peak_plan():
+@pytest.mark.parametrize("n", [64, 256])
+def test_peaks_below_one_level_nest(n):
+    """One level of cuts bottoms out near sqrt(2n) activations; below, segments are cut again,
+    each level costing about one more forward pass."""
     with tf.Graph().as_default():
-        view = chain_view(64)
-        smallest = planner.plan_checkpoints(view)
-        budget = planner.plan_checkpoints(view, peak_fraction=0.01)
-    assert budget == smallest
+        order = order_of(chain_view(n))
+        _, smallest = planner.smallest_peak(order)
+        target = 0.7 * smallest
+        cuts = planner.within(order, target)
+        levels = planner.checkpoints_of(order, cuts)
+    assert cuts is not None and cuts.levels >= 2
+    assert planner.model_peak(order, cuts) <= target
+    forward = order.flops.sum()
+    assert forward < planner.recompute_flops(order, cuts) <= (cuts.levels + 0.5) * forward
+    assert len(levels) == cuts.levels and all(levels)
 
 
-def test_budget_of_plain_backprop_recomputes_nothing():
+def test_nesting_reaches_about_log_n_activations():
+    n = 512
     with tf.Graph().as_default():
-        assert planner.plan_checkpoints(chain_view(64), peak_fraction=1.0).checkpoints == ()
+        order = order_of(chain_view(n))
+    activation = order.held.max()
+    _, smallest = planner.smallest_peak(order)
+    assert smallest > 30 * activation  # about sqrt(2n) = 32
+    assert planner.within(order, 2 * math.log2(n) * activation) is not None
 
 
-def test_tiny_graph_gets_no_plan():
+def test_a_peak_below_any_nesting_is_refused():
     with tf.Graph().as_default():
-        plan = planner.plan_checkpoints(chain_view(1))
-    assert plan.checkpoints == ()
+        order = order_of(chain_view(64))
+    assert planner.within(order, 0.5 * order.held.max()) is None
+
+
+def test_tiny_graph_gets_no_cuts():
+    with tf.Graph().as_default():
+        order = order_of(chain_view(1))
+        cuts, _ = planner.smallest_peak(order)
+    assert cuts.positions == ()
 
 
 def dense_block(x, layers):
@@ -141,10 +167,10 @@ def test_dense_skip_connections_still_get_a_plan_and_exact_gradients():
         x = tf1.placeholder(tf.float32, [8, 16])
         loss = tf.reduce_sum(tf.square(dense_block(x, layers=12)))
         weights = tf1.trainable_variables()
-        plan = planner.plan_checkpoints(ForwardView.build([loss], [w.handle for w in weights]))
+        plan = msg.plan(loss, weights, checkpoints="memory")
         assert plan.checkpoints
         reference = tf1.gradients(loss, weights)
-        got = msg.gradients(loss, weights, checkpoints="memory")
+        got = msg.gradients(loss, weights, checkpoints=plan)
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             values = session.run([reference, got], {x: np.ones((8, 16), np.float32)})
@@ -159,9 +185,6 @@ def test_equal_cuts_prefer_tensors_backprop_would_not_hold():
         h = x
         for i in range(25):
             h = tf.tanh(tf.matmul(h, tf.Variable(tf.eye(32), name=f"w{i}")))
-        weights = tf1.trainable_variables()
-        plan = planner.plan_checkpoints(
-            ForwardView.build([tf.reduce_sum(h)], [w.handle for w in weights])
-        )
+        plan = msg.plan(tf.reduce_sum(h), tf1.trainable_variables(), checkpoints="memory")
     assert plan.checkpoints
     assert {t.op.type for t in plan.checkpoints} == {"MatMul"}

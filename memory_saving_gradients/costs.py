@@ -1,0 +1,306 @@
+"""What each forward op costs: the bytes of its outputs, its compute, what backprop keeps.
+
+Bytes come from static shapes and dtypes; a dimension unknown until run time (usually the
+batch) counts `UNKNOWN_DIM_SIZE`. Compute is counted in FLOPs for contractions (matmul,
+convolution, einsum) and in output elements for everything else. What an op's gradient reads,
+how it makes its input gradients and what it allocates meanwhile comes from TensorFlow's
+registered gradient function, built once aside for each kind of op (`_tf.gradient_aside`);
+where that cannot be done (function calls, control flow, custom gradients) the gradient is
+taken to read every input and output and to make new input gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from memory_saving_gradients import _tf
+
+#: Elements assumed for a dimension whose static size is unknown (usually the batch).
+UNKNOWN_DIM_SIZE = 64
+
+#: Element-wise ops whose kernels write their output into an input buffer nothing else
+#: needs any more (TensorFlow's `forward_input_or_allocate_output`), forward or backward.
+REUSES_INPUT_BUFFER = frozenset(
+    {
+        "Abs", "Add", "AddN", "AddV2", "BiasAdd", "Ceil", "Cos", "Div", "DivNoNan", "Elu",
+        "EluGrad", "Erf", "Exp", "Floor", "LeakyRelu", "LeakyReluGrad", "Log", "Log1p",
+        "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "Pow", "RealDiv", "Reciprocal",
+        "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad", "Selu",
+        "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "SoftplusGrad",
+        "Softsign", "Sqrt", "SqrtGrad", "Square", "SquaredDifference", "Sub", "Tanh",
+        "TanhGrad",
+    }
+)  # fmt: skip
+#: Ops whose output is their input's buffer: they allocate nothing.
+ALIASING = frozenset(
+    {"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"}
+)
+#: Ops whose outputs are resident before a step runs (variables' buffers, constants).
+RESIDENT = frozenset({"Const", "ReadVariableOp", "VarHandleOp", "Placeholder"})
+
+
+def num_elements(tensor: tf.Tensor) -> int:
+    """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return UNKNOWN_DIM_SIZE
+    return math.prod(UNKNOWN_DIM_SIZE if d is None else d for d in shape.as_list())
+
+
+def tensor_bytes(tensor: tf.Tensor) -> int:
+    """Bytes `tensor` occupies by its static shape (resources and variants count 8 bytes)."""
+    dtype = tensor.dtype.base_dtype
+    itemsize = 8 if dtype in (tf.resource, tf.variant, tf.string) else dtype.size
+    return num_elements(tensor) * itemsize
+
+
+#: Ops that read only the shape of a tensor, which does not keep it alive for backprop.
+SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One op of a gradient function built aside: what it makes and reads."""
+
+    outputs: tuple[int, ...]  # ids of its output tensors
+    sizes: tuple[int, ...]  # bytes of each output (0 for aliases and folded values)
+    reads: tuple[int, ...]  # ids of the tensors it reads
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientUse:
+    """What an op's gradient function reads and makes, for each input gradient.
+
+    Attributes:
+      reads: for each input, the (inputs, outputs) of the op, by index, that computing that
+        input's gradient reads beyond their shape; backprop holds them until it has run.
+      input_gradients: how each input's gradient is made: None (no gradient), "alias" (an
+        output's gradient passed on, no new buffer), or the type of the op making it.
+      needs: for each input, the ids of the function's steps its gradient needs.
+      steps: the function's ops computed at run time, in order (those computed from constants
+        and shapes alone are folded ahead of the step).
+      returned: ids of the tensors the function returns.
+    """
+
+    reads: tuple[tuple[frozenset[int], frozenset[int]], ...]
+    input_gradients: tuple[str | None, ...]
+    needs: tuple[frozenset[int], ...]
+    steps: tuple[_Step, ...]
+    returned: frozenset[int]
+
+    def workspace(self, needed: Sequence[bool]) -> int:
+        """The most bytes the steps computing the `needed` input gradients hold at once, in
+        tensors other than the gradients they return."""
+        wanted = frozenset().union(
+            *(n for n, want in zip(self.needs, needed, strict=True) if want)
+        )
+        steps = [(i, step) for i, step in enumerate(self.steps) if i in wanted]
+        readers: dict[int, int] = {}
+        for _, step in steps:
+            for t in step.reads:
+                readers[t] = readers.get(t, 0) + 1
+        alive = peak = 0
+        sizes: dict[int, int] = {}
+        for _, step in steps:
+            for t, size in zip(step.outputs, step.sizes, strict=True):
+                if t not in self.returned:
+                    sizes[t] = size
+                    alive += size
+            peak = max(peak, alive)
+            for t in step.reads:
+                readers[t] -= 1
+                if readers[t] == 0:
+                    alive -= sizes.pop(t, 0)
+        return peak
+
+
+_GRADIENT_USES: dict[tuple, GradientUse | None] = {}
+
+
+def gradient_use(op: tf.Operation) -> GradientUse | None:
+    """What `op`'s registered gradient reads and makes (None where unknown), found once for
+    each kind of op: type, attributes, input dtypes and shapes."""
+    key = (
+        op.type,
+        tuple((k, op.node_def.attr[k].SerializeToString()) for k in sorted(op.node_def.attr)),
+        tuple((t.dtype, None if t.shape.rank is None else tuple(t.shape)) for t in op.inputs),
+    )
+    if key not in _GRADIENT_USES:
+        aside = _tf.gradient_aside(op)
+        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside)
+    return _GRADIENT_USES[key]
+
+
+def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
+    ops = aside.graph.get_operations()
+    runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
+    runtime.update(id(inner) for inner in aside.read.values())
+    steps, step_of = [], {}
+    for body_op in ops:
+        if body_op.type == "Placeholder" or not any(id(t) in runtime for t in body_op.inputs):
+            continue
+        runtime.update(id(t) for t in body_op.outputs)
+        free = body_op.type in ALIASING or body_op.type in SHAPE_READERS
+        step_of[body_op] = len(steps)
+        steps.append(
+            _Step(
+                tuple(id(t) for t in body_op.outputs),
+                tuple(0 if free else tensor_bytes(t) for t in body_op.outputs),
+                tuple(id(t) for t in body_op.inputs),
+            )
+        )
+    placeholder_of = {id(inner): outer for outer, inner in _outer_and_inner(op, aside)}
+    seeds = {id(g) for g in aside.output_gradients if g is not None}
+    reads, kinds, needs = [], [], []
+    for gradient in aside.input_gradients:
+        tensors = [] if gradient is None else tf.nest.flatten(gradient, expand_composites=True)
+        ancestors = _ancestors([t.op for t in tensors], within=step_of)
+        needs.append(frozenset(step_of[a] for a in ancestors))
+        read_inputs, read_outputs = set(), set()
+        for body_op in ancestors:
+            if body_op.type in SHAPE_READERS:
+                continue
+            for t in body_op.inputs:
+                outer = placeholder_of.get(id(t))
+                if outer is not None:
+                    (read_inputs if outer[0] == "in" else read_outputs).add(outer[1])
+        reads.append((frozenset(read_inputs), frozenset(read_outputs)))
+        kinds.append(_made_by(gradient, seeds))
+    returned = {
+        id(t)
+        for g in aside.input_gradients
+        if g is not None
+        for t in tf.nest.flatten(g, expand_composites=True)
+    }
+    return GradientUse(tuple(reads), tuple(kinds), tuple(needs), tuple(steps), frozenset(returned))
+
+
+def _outer_and_inner(op: tf.Operation, aside: _tf.GradientAside):
+    """(("in" or "out", index), placeholder) for each of `op`'s tensors the function reads."""
+    for kind, tensors in (("in", op.inputs), ("out", op.outputs)):
+        for index, t in enumerate(tensors):
+            if id(t) in aside.read:
+                yield (kind, index), aside.read[id(t)]
+
+
+def _ancestors(ops, within) -> set:
+    seen, stack = set(), [op for op in ops if op in within]
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs if t.op in within)
+    return seen
+
+
+def _made_by(gradient, seeds: set[int]) -> str | None:
+    if gradient is None:
+        return None
+    made = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    tensor = made
+    while id(tensor) not in seeds and tensor.op.type in ALIASING and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return "alias" if id(tensor) in seeds else made.op.type
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """What one forward op costs.
+
+    Attributes:
+      output_bytes: bytes each output allocates (0 for aliases and resident values).
+      saved_inputs, saved_outputs: indices of the inputs and outputs its gradient reads.
+      input_gradients: how the gradient of each input is made (see `GradientUse`).
+      workspace: what the gradient allocates besides the gradients it returns.
+      reuses_input: whether its output may take over an input buffer nothing else needs.
+      flops: its compute.
+    """
+
+    output_bytes: tuple[int, ...]
+    saved_inputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    input_gradients: tuple[str | None, ...]
+    workspace: int
+    reuses_input: bool
+    flops: float
+
+
+def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> OpCost:
+    """The cost of `op` in the forward pass, and what computing the gradients of its inputs
+    for which `needs_gradient` holds keeps and allocates."""
+    needed = [needs_gradient(t) and _tf.is_differentiable(t) for t in op.inputs]
+    use = gradient_use(op)
+    free = op.type in ALIASING or op.type in RESIDENT
+    if use is None:
+        saved_inputs, saved_outputs = range(len(op.inputs)), range(len(op.outputs))
+        kinds = tuple("new" if want else None for want in needed)
+        workspace = 0
+    else:
+        wanted = [r for r, want in zip(use.reads, needed, strict=True) if want]
+        saved_inputs = sorted(set().union(*(r[0] for r in wanted)))
+        saved_outputs = sorted(set().union(*(r[1] for r in wanted)))
+        kinds = tuple(
+            k if want else None for k, want in zip(use.input_gradients, needed, strict=True)
+        )
+        workspace = use.workspace(needed)
+    return OpCost(
+        output_bytes=tuple(0 if free else tensor_bytes(t) for t in op.outputs),
+        saved_inputs=tuple(saved_inputs),
+        saved_outputs=tuple(saved_outputs),
+        input_gradients=kinds,
+        workspace=workspace,
+        reuses_input=op.type in REUSES_INPUT_BUFFER,
+        flops=flops(op),
+    )
+
+
+def flops(op: tf.Operation) -> float:
+    """Floating-point operations of `op`: multiply-adds count two."""
+    if not op.outputs:
+        return 0.0
+    out = num_elements(op.outputs[0])
+    if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        a = op.inputs[0]
+        transposed = op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x")
+        inner = _dim(a, -2 if transposed else -1)
+        return 2.0 * out * inner
+    if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
+        kernel = op.inputs[1].shape.as_list()
+        window = math.prod(_known(d) for d in kernel[:-2])
+        per_output = window if op.type == "DepthwiseConv2dNative" else window * _known(kernel[-2])
+        return 2.0 * out * per_output
+    if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):
+        kernel = op.inputs[1].shape.as_list()
+        return 2.0 * num_elements(op.inputs[2]) * math.prod(_known(d) for d in kernel[:-1])
+    if op.type == "Einsum":
+        return 2.0 * _einsum_terms(op)
+    return float(out)
+
+
+def _einsum_terms(op: tf.Operation) -> float:
+    """Products an Einsum forms: the product of the sizes of all its distinct indices."""
+    equation = op.get_attr("equation").decode()
+    operands = equation.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for letters, tensor in zip(operands, op.inputs, strict=False):
+        shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+        if "." in letters or len(letters) != len(shape):
+            return float(num_elements(op.outputs[0]))
+        sizes.update((letter, _known(d)) for letter, d in zip(letters, shape, strict=True))
+    return float(np.prod(list(sizes.values()), dtype=np.float64))
+
+
+def _dim(tensor: tf.Tensor, axis: int) -> int:
+    shape = tensor.shape
+    if shape.rank is None:
+        return UNKNOWN_DIM_SIZE
+    return _known(shape.as_list()[axis])
+
+
+def _known(dim: int | None) -> int:
+    return UNKNOWN_DIM_SIZE if dim is None else dim

@@ -1,0 +1,137 @@
+"""`Plan`: what checkpointed backprop keeps, and what that is predicted to cost.
+
+A plan is made for one forward graph (one set of ys and xs) by a strategy, and can be looked
+at before any gradient is built: the tensors kept, the predicted activation peak with them
+and without them (`footprint`), and the forward compute backprop repeats. Passed back as
+`checkpoints=plan`, it is used as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from memory_saving_gradients import costs, footprint
+from memory_saving_gradients.schedule import Schedule, Segment
+from memory_saving_gradients.view import ForwardView
+
+MIB = 2**20
+
+
+class Plan:
+    """The tensors checkpointed backprop keeps for one forward graph, and their predicted cost.
+
+    Attributes:
+      checkpoints: the tensors kept from the forward pass.
+      nested: for nested recomputation, the tensors kept while the segment around them is
+        recomputed, one tuple per level, outermost first; empty for one level.
+      strategy: what chose them.
+      peak_bytes: the predicted activation peak of a step with this plan (bytes above what is
+        resident before it: variables, inputs).
+      plain_peak_bytes: the same for `tf.gradients`.
+      recompute_flops_fraction: the forward compute backprop repeats, over the forward
+        pass's (0: nothing recomputed; about 1 for one level over the whole pass).
+    """
+
+    def __init__(
+        self,
+        view: ForwardView,
+        levels: Sequence[Sequence[tf.Tensor]],
+        strategy: str,
+        plain_peak_bytes: int | None = None,
+    ) -> None:
+        self._view = view
+        self.checkpoints: tuple[tf.Tensor, ...] = tuple(levels[0]) if levels else ()
+        self.nested: tuple[tuple[tf.Tensor, ...], ...] = tuple(
+            tuple(level) for level in levels[1:] if level
+        )
+        self.strategy = strategy
+        if plain_peak_bytes is not None:  # already simulated for this view
+            self.__dict__["plain_peak_bytes"] = plain_peak_bytes
+
+    @property
+    def levels(self) -> tuple[tuple[tf.Tensor, ...], ...]:
+        """`checkpoints` then each level of `nested`."""
+        return (self.checkpoints, *self.nested)
+
+    def made_for(self, view: ForwardView) -> bool:
+        """Whether this plan was made for the ys and xs of `view`."""
+        mine = self._view
+        return [t.ref() for t in mine.ys] == [t.ref() for t in view.ys] and {
+            t.ref() for t in mine.xs
+        } == {t.ref() for t in view.xs}
+
+    @functools.cached_property
+    def peak_bytes(self) -> int:
+        if not self.checkpoints:
+            return self.plain_peak_bytes
+        return footprint.checkpointed_peak(self._view, self.levels)
+
+    @functools.cached_property
+    def plain_peak_bytes(self) -> int:
+        return footprint.plain_peak(self._view)
+
+    @functools.cached_property
+    def recompute_flops_fraction(self) -> float:
+        forward = sum(costs.flops(op) for op in self._view.ops)
+        if not self.checkpoints or not forward:
+            return 0.0
+        return recomputed_flops(self._view, self.levels) / forward
+
+    def __repr__(self) -> str:
+        nested = f", nested {[len(level) for level in self.nested]}" if self.nested else ""
+        return (
+            f"<Plan {self.strategy}: {len(self.checkpoints)} checkpoints{nested}, "
+            f"peak {self.peak_bytes / MIB:.1f} MiB (plain {self.plain_peak_bytes / MIB:.1f})>"
+        )
+
+    def __str__(self) -> str:
+        plain, peak = self.plain_peak_bytes, self.peak_bytes
+        lines = [
+            f"Plan ({self.strategy}): keeps {len(self.checkpoints)} tensors"
+            + (f", and {sum(map(len, self.nested))} more nested" if self.nested else ""),
+            f"  predicted activation peak {peak / MIB:.1f} MiB with it, "
+            f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
+            f"  recomputes {self.recompute_flops_fraction:.2f} of the forward compute",
+        ]
+        rows = [
+            (str(depth), t.name, t.op.type, _shape(t), f"{costs.tensor_bytes(t) / MIB:.2f}")
+            for depth, level in enumerate(self.levels)
+            for t in level
+        ]
+        if rows:
+            header = ("level", "tensor", "op", "shape", "MiB")
+            widths = [max(len(row[i]) for row in [header, *rows]) for i in range(5)]
+            for row in [header, *rows]:
+                cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+                cells[-1] = row[-1].rjust(widths[-1])
+                lines.append("  " + "  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def recomputed_flops(view: ForwardView, levels: Sequence[Sequence[tf.Tensor]]) -> float:
+    """The forward compute backprop with `levels` repeats: every step recomputes its segment,
+    and within a segment with nested checkpoints, the inner steps recompute theirs again."""
+    schedule = Schedule.build(view, levels[0])
+    return _recomputed(view, schedule, levels[1:])
+
+
+def _recomputed(view: ForwardView, schedule: Schedule, nested) -> float:
+    total = 0.0
+    for step in schedule.steps:
+        segment = Segment.union([schedule.segments[op] for op in step])
+        total += sum(costs.flops(op) for op in segment.ops)
+        inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
+        if inner:
+            ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
+            sub = ForwardView.build(ends, list(segment.frontier))
+            total += _recomputed(sub, Schedule.build(sub, inner), nested[1:])
+    return total
+
+
+def _shape(tensor: tf.Tensor) -> str:
+    if tensor.shape.rank is None:
+        return "?"
+    return "(" + ", ".join("?" if d is None else str(d) for d in tensor.shape.as_list()) + ")"
