@@ -14,7 +14,6 @@ from types import ModuleType
 from typing import Literal, NamedTuple
 
 import tensorflow as tf
-from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
@@ -78,16 +77,16 @@ def gate(
     `waits` (control dependencies, so the executor has nothing of ours to run when one of
     `waits` is done, and runs its readers). Graph optimizers can neither fold that zero nor
     drop the dependency, as they drop identities, IdentityN outputs nobody reads and reshapes
-    to a known shape. XLA needs static slices, ignores control dependencies and merges
-    identical computations: inside an XLA-compiled function `tensors` and `waits` go through
-    one optimization barrier, which XLA neither moves computation across nor merges.
+    to a known shape. Inside an XLA-compiled function a tensor is passed on as itself minus a
+    zero computed from one element of each of `tensors` and `waits` (NOTE [gates under XLA]);
+    `waits` are returned as they are.
     """
     graph = tensors[0].graph
     with _outside_caller_scopes(graph), tf_ops.name_scope(scope):
         if compiled_by_xla(graph):
-            with graph.device(tensors[0].op.device):
-                outputs = gen_xla_ops.xla_optimization_barrier([*tensors, *waits])
-            gated, waits = outputs[: len(tensors)], outputs[len(tensors) :]
+            with graph.device(tensors[-1].op.device):
+                zero = _zero_computed_from([*tensors, *waits])
+            gated = [_minus_zero(tensor, zero) for tensor in tensors]
         else:
             with graph.device(tensors[-1].op.device), tf_ops.control_dependencies(waits):
                 zero = _zero_computed_from(tensors)
@@ -96,6 +95,19 @@ def gate(
         output.set_shape(tensor.shape)
         handle_data_util.copy_handle_data(tensor, output)
     return list(gated), list(waits)
+
+
+# NOTE [gates under XLA]: XLA ignores control dependencies, and its CPU compiler expands
+# optimization barriers (OptimizationBarrierExpander) before layout assignment; the
+# simplification pipeline after it then CSEs every recomputed MatMul and Tanh back into its
+# original (HLO of a 32-layer chain: 63 tanh before optimization, 32 after; peak as plain's).
+# A data dependency is semantics, not a hint, so every backend and pass must keep it: each
+# tensor a step reads becomes `tensor - zero`, with `zero` computed at run time from one
+# element of each incoming gradient and each waited-for gradient part (as tf.recompute_grad
+# does). The copies then read values no original reads (CSE cannot merge them) that exist
+# only once backprop reached the step (the scheduler cannot hoist them into the forward
+# pass). `x - (+0)` is `x` exactly, signed zeros, infinities and NaNs included; the
+# subtraction fuses into elementwise readers and costs one transient copy before a dot.
 
 
 def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -108,6 +120,18 @@ def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     first = tf.reduce_max(tf.concat(firsts, axis=0))
     nan = tf.math.is_nan(first)
     return tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64, name="zero")
+
+
+def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """`tensor - zero` (bitwise `tensor`), read once `zero` exists; `tensor` or-ed with
+    False for booleans, an identity waiting for `zero` where no arithmetic applies."""
+    with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
+        if tensor.dtype in (tf.resource, tf.variant, tf.string):
+            with tf_ops.control_dependencies([zero]):
+                return gen_array_ops.identity(tensor)
+        if tensor.dtype == tf.bool:
+            return tf.logical_or(tensor, tf.cast(zero, tf.bool))
+        return tf.subtract(tensor, tf.cast(zero, tensor.dtype))
 
 
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
