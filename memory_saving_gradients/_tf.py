@@ -98,22 +98,17 @@ def gate(
 
 
 # NOTE [gates under XLA]: XLA ignores control dependencies, and its CPU compiler expands
-# optimization barriers (OptimizationBarrierExpander, in the pipeline before layout
-# assignment); the simplification pipeline after it then CSEs each recomputed MatMul and Tanh
-# back into its original (optimized HLO of a 32-layer chain: 63 tanh before, 32 after, and a
-# buffer assignment holding every activation: peak as plain's). A data dependency is
-# semantics, not a hint, so every pass and backend keeps it: each tensor a step reads becomes
-# `tensor - zero`, `zero` computed at run time from one element of each of the step's inputs
-# and waits (incoming gradients, weight gradient parts), as tf.recompute_grad does. The copies
-# read values no original reads, so CSE cannot merge them, and those values exist only once
-# backprop reaches the step, so the scheduler cannot hoist the copies into the forward pass;
-# weight gradients of the step before are done before it starts. `x - (+0)` is `x` bit for
-# bit (signed zeros, infinities, NaNs). The subtraction fuses into elementwise readers; before
-# a dot it is one copy, which also lets XLA update a variable in place: its value is read
-# before its gradient exists. `zero` passes through an `exp`, which XLA's fusion does not
-# duplicate into each reader: one scalar, instead of every reader re-reading the first
-# elements and keeping the weight gradients of the step before alive (Keras, 24 Dense layers:
-# XLA's temporary buffer 28 MiB without the exp, 22 with it).
+# optimization barriers before layout assignment, after which CSE merges every recomputed op
+# back into its original (32-layer chain: 63 tanh in the HLO before optimization, 32 after;
+# peak as plain's). A data dependency is semantics, which no pass may drop: each tensor a step
+# reads becomes `tensor - zero`, `zero` computed at run time from one element of each
+# incoming gradient and waited-for gradient part (as tf.recompute_grad does). No original
+# reads those values (no CSE), and they exist only once backprop reaches the step (no
+# hoisting into the forward pass). `x - (+0)` is `x` bit for bit, signed zeros and NaNs
+# included. It fuses into elementwise readers; before a matmul it is a copy, which also orders
+# the reads of a variable before its update, so XLA can update it in place. The `exp` keeps XLA
+# from duplicating `zero` into each reader, which would re-read the waited-for parts and keep
+# them alive (Keras, 24 Dense layers: XLA's temporary buffer 28 MiB without it, 22 with it).
 
 
 def _zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
