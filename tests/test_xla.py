@@ -53,7 +53,7 @@ def sgd_step(gradients, variables, x, device=None):
     return run, seen
 
 
-def tanh_chain(depth: int = 16, width: int = 256, batch: int = 1024, seed: int = 0):
+def tanh_chain(depth: int = 32, width: int = 256, batch: int = 1024, seed: int = 0):
     """The forward pass of a tanh(matmul) chain, its weights and its input (1 MiB layers)."""
     ws = weights([(width, width)] * depth, seed)
 
@@ -90,12 +90,22 @@ def tape_gradients(forward, variables, checkpoints):
     return gradients
 
 
+def peak_mib(run) -> float:
+    """`peak_memory` of `run` in MiB, free of allocator rounding: TensorFlow's CPU allocator
+    counts a block it does not split whole (a 67 MiB request served from a fresh 128 MiB
+    region reads 128 MiB), so a free block far larger than any step here is made first, from
+    which each request is cut to its size."""
+    grow = tf.zeros([256 * MiB // 4])
+    del grow
+    return peak_memory(run) / MiB
+
+
 def peaks(make_step, methods) -> dict[str, float]:
     """Peak MiB of a fresh step for each method (`make_step(method)` gives step and seen)."""
     found = {}
     for name in methods:
         run, seen = make_step(name)
-        found[name] = peak_memory(run) / MiB
+        found[name] = peak_mib(run)
         assert seen["xla"], name
         assert seen["recomputes"] == (name != "plain"), name
     return found
@@ -107,7 +117,7 @@ def test_chain_keeps_its_savings_under_xla():
         return sgd_step(function_gradients(forward, ws, method), ws, x)
 
     found = peaks(make, ["plain", "memory"])
-    # Measured on TensorFlow 2.21: plain 32 MiB, 'memory' 8.25 MiB (0.26).
+    # Measured on TensorFlow 2.21: plain 33.25 MiB, 'memory' 10.75 MiB (0.32).
     assert found["memory"] <= 0.4 * found["plain"], found
 
 
@@ -119,6 +129,7 @@ def test_tape_drop_in_keeps_its_savings_under_xla(caplog):
     with caplog.at_level("WARNING", logger=LOGGER):
         found = peaks(make, ["plain", "memory"])
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+    # Measured on TensorFlow 2.21: plain 33.25 MiB, 'memory' 10.75 MiB (0.32).
     assert found["memory"] <= 0.4 * found["plain"], found
 
 
@@ -139,7 +150,7 @@ def test_tape_drop_in_gradients_equal_plain_under_xla(caplog):
     assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
 
 
-def residual_cnn(blocks: int = 12, channels: int = 16, size: int = 32, batch: int = 16):
+def residual_cnn(blocks: int = 16, channels: int = 16, size: int = 32, batch: int = 16):
     """conv, ReLU, conv, add, ReLU blocks (1 MiB activations): the skip path has no conv."""
     kernels = weights([(3, 3, channels, channels)] * (2 * blocks), seed=2)
 
@@ -161,7 +172,7 @@ def test_residual_cnn_keeps_its_savings_under_xla():
         return sgd_step(function_gradients(forward, kernels, method), kernels, x)
 
     found = peaks(make, ["plain", "memory"])
-    # Measured on TensorFlow 2.21: plain 64 MiB, 'memory' 21 MiB (0.33).
+    # Measured on TensorFlow 2.21: plain 66.3 MiB, 'memory' 21.1 MiB (0.32).
     assert found["memory"] <= 0.5 * found["plain"], found
 
 
@@ -219,7 +230,7 @@ def dense_tanh_model(depth: int, width: int) -> keras.Model:
 
 
 def test_keras_fit_stays_compiled_by_xla_and_keeps_its_savings():
-    depth, width, batch = 16, 256, 2048
+    depth, width, batch = 24, 256, 2048
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2 * batch, width)).astype("f4")
     y = rng.standard_normal((2 * batch, 1)).astype("f4")
@@ -243,11 +254,11 @@ def test_keras_fit_stays_compiled_by_xla_and_keeps_its_savings():
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         assert model.jit_compile
         trained[name] = model.get_weights()
-        found[name] = peak_memory(lambda m=model: m.train_on_batch(x[:batch], y[:batch])) / MiB
+        found[name] = peak_mib(lambda m=model: m.train_on_batch(x[:batch], y[:batch]))
     assert compiled_by_xla and all(compiled_by_xla)
     for want, have in zip(trained["plain"], trained["memory"], strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
-    # Measured on TensorFlow 2.21: plain 64 MiB, 'memory' 17 MiB (0.27).
+    # Measured on TensorFlow 2.21: plain 54.3 MiB, 'memory' 17.5 MiB (0.32).
     assert found["memory"] <= 0.5 * found["plain"], found
 
 
