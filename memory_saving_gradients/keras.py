@@ -8,14 +8,10 @@ method Keras documents for customising what `fit` does. `enable` gives one model
 LossScaleOptimizer unscales in `apply_gradients`), `compute_metrics`. `evaluate` and `predict`
 are Keras's own.
 
-XLA (`jit_compile=True`) would undo the savings: its optimizer merges each recomputed op back
-into its original. Measured on TensorFlow 2.21 (CPU, 24 tanh Dense layers of 512, batch 2048):
-with XLA the optimized HLO of the checkpointed step holds the same ops as the plain step's (24
-tanh, no copies) and both peak at 128 MiB, against 101 MiB plain and 39 MiB checkpointed
-without XLA. So an enabled model's training step is built without XLA, which is logged;
-`evaluate` and `predict` keep `jit_compile`. (Keras's default, `jit_compile="auto"`, is off on
-machines without an accelerator.) With `run_eagerly=True` there is no graph to rewrite: the
-step computes plain gradients, which is logged too.
+With `jit_compile=True` the training step stays compiled by XLA and keeps its savings (the
+recomputation reads its inputs through a data dependency XLA keeps: NOTE [gates under XLA] in
+`_tf`). With `run_eagerly=True` there is no graph to rewrite: the step computes plain
+gradients, which is logged.
 """
 
 from __future__ import annotations
@@ -91,32 +87,15 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg):
 
 
 def _make_train_function(model: keras.Model, force: bool = False):
-    """Keras's `make_train_function`, logging when the step cannot save memory and building it
-    without XLA (`jit_compile`), which would undo the savings."""
-    make = type(model).make_train_function
-    if model.train_function is not None and not force:
-        return make(model, force)
-    if model.run_eagerly:
+    """Keras's `make_train_function`, logging when the step cannot save memory."""
+    if model.run_eagerly and (model.train_function is None or force):
         logger.warning(
             "Keras model %s runs eagerly (run_eagerly=True): there is no graph to rewrite, so "
             "fit computes plain gradients and saves no memory. Compile with "
             "run_eagerly=False to checkpoint.",
             model.name,
         )
-        return make(model, force)
-    if not model.jit_compile:
-        return make(model, force)
-    logger.warning(
-        "Keras model %s: building the checkpointed training step without XLA (jit_compile): "
-        "XLA merges recomputed ops with their originals, which would undo the memory "
-        "savings. evaluate and predict keep jit_compile.",
-        model.name,
-    )
-    model.jit_compile = False
-    try:
-        return make(model, force)
-    finally:
-        model.jit_compile = True
+    return type(model).make_train_function(model, force)
 
 
 def _call_takes_training(model: keras.Model) -> bool:

@@ -11,9 +11,10 @@ watched tensor, a watched variable or the output of another recorded op, the rul
 tracked gets None (zeros with `unconnected_gradients='zero'`), as with `tf.GradientTape`.
 
 Eagerly there is no graph to rewrite: the tape computes plain gradients and logs once why
-nothing is saved. Composite targets or sources (ragged, sparse) and functions compiled by XLA
-take the plain path too, with a warning: XLA's optimizer merges recomputed ops with their
-originals, so a checkpointed step would hold as much memory as a plain one (measured).
+nothing is saved. Composite targets or sources (ragged, sparse) take the plain path too, with
+a warning. Functions compiled by XLA (`jit_compile=True`) are checkpointed like any other:
+the recomputation reads its inputs through a data dependency XLA keeps (NOTE [gates under
+XLA] in `_tf`).
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ class GradientTape(tf.GradientTape):
             loss = loss_fn(model(x), y)
         grads = tape.gradient(loss, model.trainable_variables)
 
-    Inside `tf.function` only the checkpoints of the forward pass are kept; the rest is
-    recomputed segment by segment during the backward pass. `checkpoints` is any value
-    `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed', 'collection', a
-    `MemoryBudget`, a list).
+    Inside `tf.function` (compiled by XLA or not) only the checkpoints of the forward pass are
+    kept; the rest is recomputed segment by segment during the backward pass. `checkpoints` is
+    any value `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed',
+    'collection', a `MemoryBudget`, a list).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
     """
 
@@ -157,11 +158,6 @@ class GradientTape(tf.GradientTape):
             reason = f"{odd[0]!r} is not a dense tensor or a variable"
         elif not any(s.graph is target_graph for s in self._spans):
             reason = "the tape recorded nothing in the graph of the target"
-        elif _tf.compiled_by_xla(target_graph):
-            reason = (
-                "the function is compiled by XLA (jit_compile=True), which merges recomputed "
-                "ops back into the forward pass; compile the training step without XLA"
-            )
         else:
             return False
         logger.warning("GradientTape computes plain gradients, saving nothing: %s.", reason)

@@ -231,18 +231,6 @@ def test_mixed_precision_matches_plain_mixed_precision(mixed_float16):
     )
 
 
-def test_xla_is_turned_off_for_the_train_step_with_a_warning(caplog):
-    x, y = data()
-    model = compiled(unbuilt_sequential, True, jit_compile=True)
-    graphs = recorded_graphs(model)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        model.fit(x, y["value"], batch_size=16, epochs=1, verbose=0)
-    assert any("without XLA" in r.getMessage() for r in caplog.records)
-    assert_recomputes(graphs[-1])
-    assert model.jit_compile
-    assert np.isfinite(model.evaluate(x, y["value"], verbose=0))
-
-
 def test_enable_after_fit_and_again_replaces_the_step(caplog):
     x, y = data()
     model = compiled(unbuilt_sequential, False)

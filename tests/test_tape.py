@@ -319,21 +319,6 @@ def test_eagerly_plain_gradients_and_one_warning(caplog):
     assert len(eager_warnings) == 1
 
 
-def test_under_xla_plain_gradients_with_a_warning(caplog):
-    weights, x = chain()
-
-    @tf.function(jit_compile=True)
-    def step():
-        with tf.GradientTape() as reference, msg.GradientTape() as tape:
-            loss = tf.reduce_sum(forward(weights, x))
-        return reference.gradient(loss, weights), tape.gradient(loss, weights)
-
-    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
-        reference, got = step()
-    assert_same_gradients(reference, got)
-    assert any("compiled by XLA" in r.getMessage() for r in caplog.records)
-
-
 def test_ragged_source_takes_the_plain_path_with_a_warning(caplog):
     @tf.function
     def step(values):

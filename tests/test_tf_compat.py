@@ -114,18 +114,41 @@ def test_gate_survives_graph_optimizers_as_an_ordering():
     assert any(name.startswith("step/") for name in started)
 
 
-def test_gate_is_an_optimization_barrier_under_xla():
+def _reads(op: tf.Operation, target: tf.Operation) -> bool:
+    """Whether `op` reads, through data inputs only, what `target` makes."""
+    stack, seen = [op], set()
+    while stack:
+        op = stack.pop()
+        if op is target:
+            return True
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs)
+    return False
+
+
+def test_gate_under_xla_passes_values_exactly_through_a_data_dependency():
+    """XLA ignores control dependencies and expands optimization barriers early (NOTE [gates
+    under XLA]): the gated tensors must read the waits as data, and equal their inputs bit for
+    bit (signed zeros, infinities, NaNs, integers, booleans)."""
     seen = {}
 
     @tf.function(jit_compile=True)
-    def step(x, g):
-        (gated,), (passed,) = _tf.gate([x], g, [g], scope="step/")
-        seen["type"] = gated.op.type
-        seen["shared"] = gated.op is passed.op
-        return gated * 2.0 + passed
+    def step(x, n, b, g):
+        (gx, gn, gb), (passed,) = _tf.gate([x, n, b], g, [g], scope="step/")
+        seen["passed"] = passed is g
+        seen["reads"] = [_reads(t.op, g.op) for t in (gx, gn, gb)]
+        seen["control"] = [op.name for t in (gx, gn, gb) for op in t.op.control_inputs]
+        return gx, gn, gb
 
-    np.testing.assert_array_equal(step(tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])), [5, 8])
-    assert seen == {"type": "XlaOptimizationBarrier", "shared": True}
+    x = tf.constant([-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5])
+    n, b = tf.constant([-3, 7]), tf.constant([True, False])
+    gx, gn, gb = step(x, n, b, tf.constant([np.nan, 4.0]))
+    np.testing.assert_array_equal(np.signbit(gx.numpy()), np.signbit(x.numpy()))
+    np.testing.assert_array_equal(gx.numpy(), x.numpy())
+    np.testing.assert_array_equal(gn.numpy(), n.numpy())
+    np.testing.assert_array_equal(gb.numpy(), b.numpy())
+    assert seen == {"passed": True, "reads": [True, True, True], "control": []}
 
 
 def test_is_function_call():
