@@ -9,6 +9,7 @@ them here means a TensorFlow release that changes one breaks one function, and
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
@@ -114,13 +115,32 @@ def gate(
 
 
 def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
-    """An int64 zero computed from the first element of `tensor`."""
-    if tensor.dtype in (tf.resource, tf.variant, tf.string):
+    """An int64 zero computed from the first element of `tensor` (an element is never less
+    than itself, NaN included)."""
+    rank = tensor.shape.rank
+    if tensor.dtype in (tf.resource, tf.variant, tf.string) or rank is None:
         with tf_ops.control_dependencies([tensor.op]):
-            return tf.identity(tf.constant(0, tf.int64), name="zero")
-    first = tf.reshape(tensor, [-1])[:1]
-    nan = tf.math.is_nan(first if first.dtype.is_floating else tf.cast(first, tf.float32))
-    return tf.reduce_sum(tf.cast(tf.logical_and(nan, tf.logical_not(nan)), tf.int64), name="zero")
+            return tf.identity(_constant(tensor.graph, 0), name="zero")
+    first = tensor
+    if rank:
+        zeros, ones = _constant(tensor.graph, [0] * rank), _constant(tensor.graph, [1] * rank)
+        first = gen_array_ops.strided_slice(tensor, zeros, ones, ones)
+    unequal = tf.cast(tf.less(first, first), tf.int64)
+    return tf.reduce_sum(unequal, _constant(tensor.graph, list(range(rank))), name="zero")
+
+
+#: Constants gates share, by graph and value.
+_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _constant(graph: tf.Graph, value: int | list[int]) -> tf.Tensor:
+    """An int64 constant of `graph`, made once."""
+    key = tuple(value) if isinstance(value, list) else value
+    made = _CONSTANTS.setdefault(graph, {})
+    if key not in made:
+        with _outside_caller_scopes(graph):
+            made[key] = tf.constant(value, tf.int64)
+    return made[key]
 
 
 def _xla_zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -149,21 +169,20 @@ def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
 
 
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:
-    """`tensor`, read once `zero` exists: a whole-extent slice where slicing applies (it hands
-    on the same buffer), an identity waiting for `zero` otherwise (resources, variants).
-    `starts` shares the slices' starts, one per rank."""
+    """`tensor`, read once `zero` exists: a slice from `zero` onwards (the whole tensor, the
+    same buffer) where slicing applies, an identity waiting for `zero` otherwise (resources,
+    variants). `starts` shares the slices' starts, one per rank."""
     with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
-        if tensor.dtype in (tf.resource, tf.variant):
+        rank = tensor.shape.rank
+        if tensor.dtype in (tf.resource, tf.variant) or rank is None:
             with tf_ops.control_dependencies([zero]):
                 return gen_array_ops.identity(tensor)
-        end = tf.shape(tensor, out_type=tf.int64)
-        rank = tensor.shape.rank
-        if rank is None:
-            return gen_array_ops.strided_slice(tensor, end * zero, end, tf.ones_like(end))
         if rank not in starts:
-            starts[rank] = (tf.fill([rank], zero), tf.ones([rank], tf.int64))
-        begin, strides = starts[rank]
-        return gen_array_ops.strided_slice(tensor, begin, end, strides)
+            starts[rank] = tf.fill(_constant(tensor.graph, [rank]), zero)
+        ones = _constant(tensor.graph, [1] * rank)
+        return gen_array_ops.strided_slice(
+            tensor, starts[rank], ones, ones, end_mask=(1 << rank) - 1
+        )
 
 
 def is_function_call(op: tf.Operation) -> bool:

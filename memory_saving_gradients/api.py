@@ -131,7 +131,7 @@ def _checkpointed(
         logger.info("No checkpoints chosen: computing plain gradients.")
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     log_plan(plan)
-    return rewrite.checkpointed_gradients(view, plan.levels, args.grad_ys, options)
+    return rewrite.checkpointed_gradients(view, plan.levels, args.grad_ys, options, plan.schedule)
 
 
 @tf.autograph.experimental.do_not_convert

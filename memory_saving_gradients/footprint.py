@@ -253,11 +253,14 @@ def plain_peak(view: ForwardView) -> int:
     return run.peak
 
 
-def checkpointed_peak(view: ForwardView, levels: Sequence[Sequence[tf.Tensor]]) -> int:
-    """Simulated peak bytes of backprop keeping the tensors of `levels[0]`, and those of each
-    further level while the segment around them is recomputed."""
+def checkpointed_peak(
+    view: ForwardView, levels: Sequence[Sequence[tf.Tensor]], schedule: Schedule | None = None
+) -> int:
+    """Simulated peak bytes of backprop keeping the tensors of `levels[0]` (whose `schedule`
+    may be given), and those of each further level while the segment around them is
+    recomputed."""
     run = _Run(view)
-    schedule = Schedule.build(view, levels[0])
+    schedule = schedule or Schedule.build(view, levels[0])
     segments = _segments(schedule)
     last = _ops_of(view, schedule.last)
     uses = _add(_uses(last, run.cost), (y.ref() for y in view.ys))

@@ -41,6 +41,7 @@ class Plan:
         levels: Sequence[Sequence[tf.Tensor]],
         strategy: str,
         plain_peak_bytes: int | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         self._view = view
         self.checkpoints: tuple[tf.Tensor, ...] = tuple(levels[0]) if levels else ()
@@ -50,6 +51,13 @@ class Plan:
         self.strategy = strategy
         if plain_peak_bytes is not None:  # already simulated for this view
             self.__dict__["plain_peak_bytes"] = plain_peak_bytes
+        if schedule is not None:  # already built for these checkpoints
+            self.__dict__["schedule"] = schedule
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The schedule of backprop keeping `checkpoints`."""
+        return Schedule.build(self._view, self.checkpoints)
 
     @property
     def levels(self) -> tuple[tuple[tf.Tensor, ...], ...]:
@@ -67,7 +75,7 @@ class Plan:
     def peak_bytes(self) -> int:
         if not self.checkpoints:
             return self.plain_peak_bytes
-        return footprint.checkpointed_peak(self._view, self.levels)
+        return footprint.checkpointed_peak(self._view, self.levels, self.schedule)
 
     @functools.cached_property
     def plain_peak_bytes(self) -> int:
@@ -78,7 +86,7 @@ class Plan:
         forward = sum(costs.flops(op) for op in self._view.ops)
         if not self.checkpoints or not forward:
             return 0.0
-        return recomputed_flops(self._view, self.levels) / forward
+        return _recomputed(self._view, self.schedule, self.nested) / forward
 
     def __repr__(self) -> str:
         nested = f", nested {[len(level) for level in self.nested]}" if self.nested else ""
@@ -111,14 +119,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def recomputed_flops(view: ForwardView, levels: Sequence[Sequence[tf.Tensor]]) -> float:
-    """The forward compute backprop with `levels` repeats: every step recomputes its segment,
-    and within a segment with nested checkpoints, the inner steps recompute theirs again."""
-    schedule = Schedule.build(view, levels[0])
-    return _recomputed(view, schedule, levels[1:])
-
-
 def _recomputed(view: ForwardView, schedule: Schedule, nested) -> float:
+    """The forward compute backprop with `schedule` repeats: every step recomputes its
+    segment, and within a segment holding `nested` checkpoints, the inner steps recompute
+    theirs again."""
     total = 0.0
     for step in schedule.steps:
         segment = Segment.union([schedule.segments[op] for op in step])

@@ -217,13 +217,14 @@ def checkpointed_gradients(
     levels: Sequence[Sequence[tf.Tensor]],
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
+    schedule: Schedule | None = None,
 ) -> list[Gradient | None]:
     """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
-    the checkpoints `levels[0]` and what the view keeps anyway (`must_keep`, `reused`) from
-    the forward pass. A step whose segment holds checkpoints of `levels[1]` recomputes it
-    keeping only those, and differentiates it the same way, one level down (nested
-    recomputation)."""
-    schedule = Schedule.build(view, levels[0])
+    the checkpoints `levels[0]` (whose `schedule` may be given) and what the view keeps
+    anyway (`must_keep`, `reused`) from the forward pass. A step whose segment holds
+    checkpoints of `levels[1]` recomputes it keeping only those, and differentiates it the
+    same way, one level down (nested recomputation)."""
+    schedule = schedule or Schedule.build(view, levels[0])
     _report_repeated_recomputation(schedule)
     user_stopped = {t.op for t in options.stop_gradients}
     backprop = _Backprop(view, options)

@@ -64,27 +64,38 @@ def collection(view: ForwardView) -> list[tf.Tensor]:
     return view.ys[0].graph.get_collection(CHECKPOINTS_COLLECTION)
 
 
-def speed(view: ForwardView) -> list[tf.Tensor]:
+def speed(view: ForwardView) -> Plan:
     """Outputs of matmuls and convolutions, and of function calls (nested `tf.function`s,
     control flow) that run one: only cheap ops are recomputed, each once.
 
     Where a path escapes them (the skip path of a residual network), every segment behind it
     would recompute it again, so the last ops of such paths are kept too.
     """
-    kept = {
-        out.ref(): out
-        for op in view.ops
-        if op in view.recomputable and _is_expensive(op)
-        for out in op.outputs
-    }
-    while repeated := Schedule.build(view, list(kept.values())).ops_recomputed_repeatedly():
-        kept.update(
-            (out.ref(), out)
+    kept = _usable(
+        view,
+        [
+            out
+            for op in view.ops
+            if op in view.recomputable and _is_expensive(op)
+            for out in op.outputs
+        ],
+    )
+    schedule = Schedule.build(view, kept)
+    while repeated := schedule.ops_recomputed_repeatedly():
+        ends = [
+            out
             for op in repeated
             for out in op.outputs
             if any(reader not in repeated for reader in view.consumers(out))
+        ]
+        kept = list({t.ref(): t for t in (*kept, *ends)}.values())
+        schedule = Schedule.build(view, kept)
+    if not kept:
+        raise NoCheckpointsError(
+            f"checkpoints='speed' gave no tensor between xs and ys that can be recomputed from: "
+            f"{_ADVICE[repr('speed')]}."
         )
-    return list(kept.values())
+    return Plan(view, [kept], "'speed'", schedule=schedule)
 
 
 def _is_expensive(op: tf.Operation) -> bool:
