@@ -115,8 +115,8 @@ def gate(
 
 
 def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
-    """An int64 zero computed from the first element of `tensor` (an element is never less
-    than itself, NaN included)."""
+    """An int64 zero computed from the first element of `tensor` (an element, or its real
+    part, is never less than itself, NaN included)."""
     rank = tensor.shape.rank
     if tensor.dtype in (tf.resource, tf.variant, tf.string) or rank is None:
         with tf_ops.control_dependencies([tensor.op]):
@@ -125,6 +125,10 @@ def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
     if rank:
         zeros, ones = _constant(tensor.graph, [0] * rank), _constant(tensor.graph, [1] * rank)
         first = gen_array_ops.strided_slice(tensor, zeros, ones, ones)
+    if first.dtype.is_complex:
+        first = tf.math.real(first)
+    elif first.dtype == tf.bool:
+        first = tf.cast(first, tf.int8)
     unequal = tf.cast(tf.less(first, first), tf.int64)
     return tf.reduce_sum(unequal, _constant(tensor.graph, list(range(rank))), name="zero")
 

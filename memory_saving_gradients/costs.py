@@ -70,6 +70,7 @@ class _Step:
     outputs: tuple[int, ...]  # ids of its output tensors
     sizes: tuple[int, ...]  # bytes of each output (0 for aliases and folded values)
     reads: tuple[int, ...]  # ids of the tensors it reads
+    reuses_input: bool  # whether its output may take over a dying input's buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
                 tuple(id(t) for t in body_op.outputs),
                 tuple(0 if free else tensor_bytes(t) for t in body_op.outputs),
                 tuple(id(t) for t in body_op.inputs),
+                body_op.type in REUSES_INPUT_BUFFER,
             )
         )
     placeholder_of = {id(inner): outer for outer, inner in _outer_and_inner(op, aside)}
