@@ -96,23 +96,37 @@ class GradientUse:
 
     def workspace(self, needed: Sequence[bool]) -> int:
         """The most bytes the steps computing the `needed` input gradients hold at once, in
-        tensors other than the gradients they return."""
+        tensors other than the gradients they return.
+
+        The steps run in order, each tensor freed after its last reader; an element-wise step
+        writes into an input of at least its size that dies there, as TensorFlow's kernels
+        do. A returned gradient may be written into a temporary that way; the gradients
+        returned so far are left out of each step's count, since the caller counts them.
+        """
         wanted = frozenset().union(
             *(n for n, want in zip(self.needs, needed, strict=True) if want)
         )
-        steps = [(i, step) for i, step in enumerate(self.steps) if i in wanted]
+        steps = [step for i, step in enumerate(self.steps) if i in wanted]
         readers: dict[int, int] = {}
-        for _, step in steps:
+        for step in steps:
             for t in step.reads:
                 readers[t] = readers.get(t, 0) + 1
-        alive = peak = 0
+        alive = peak = returned = 0
         sizes: dict[int, int] = {}
-        for _, step in steps:
+        for step in steps:
+            dying = [t for t in step.reads if readers[t] == 1 and t in sizes]
             for t, size in zip(step.outputs, step.sizes, strict=True):
-                if t not in self.returned:
-                    sizes[t] = size
+                taken = next((d for d in dying if step.reuses_input and sizes[d] >= size), None)
+                if taken is not None:
+                    dying.remove(taken)
+                    alive -= sizes.pop(taken) - size
+                else:
                     alive += size
-            peak = max(peak, alive)
+                if t in self.returned:
+                    returned += size
+                else:
+                    sizes[t] = size
+            peak = max(peak, alive - returned)
             for t in step.reads:
                 readers[t] -= 1
                 if readers[t] == 0:
