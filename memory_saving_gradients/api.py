@@ -63,8 +63,11 @@ def gradients(
         'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions),
         'memory' (cuts chosen to minimise the estimated peak memory, about sqrt(2N) tensors on
         an N-layer chain; when none pays off, plain gradients are computed and logged),
-        'balanced' (`MemoryBudget(1/3)`) or a `MemoryBudget` (the least recomputation whose
-        estimated peak fits the given fraction of plain backprop's).
+        'balanced' ('memory''s peak plus a third of what it saves, for less recomputation),
+        a `MemoryBudget` (the least recomputation whose predicted peak fits a fraction of
+        plain backprop's, or a number of bytes; nested recomputation below one level's
+        least), a `Plan` from `plan`, or a callable given the `ForwardView` that returns the
+        tensors to keep (or a Plan).
 
     Returns:
       One gradient per x: a Tensor, an IndexedSlices where `tf.gradients` gives one, or None
