@@ -9,7 +9,6 @@ them here means a TensorFlow release that changes one breaks one function, and
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
@@ -133,18 +132,18 @@ def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(unequal, _constant(tensor.graph, list(range(rank))), name="zero")
 
 
-#: Constants gates share, by graph and value.
-_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _constant(graph: tf.Graph, value: int | list[int]) -> tf.Tensor:
-    """An int64 constant of `graph`, made once."""
-    key = tuple(value) if isinstance(value, list) else value
-    made = _CONSTANTS.setdefault(graph, {})
-    if key not in made:
+    """An int64 constant of `graph`, made once and found again by its name (a cache outside
+    the graph would hold the graph, and everything it captured, alive)."""
+    values = value if isinstance(value, list) else [value]
+    name = "memory_saving_gradients_int64_" + "_".join(str(v) for v in values)
+    if not isinstance(value, list):
+        name += "_scalar"
+    try:
+        return graph.get_operation_by_name(name).outputs[0]
+    except KeyError:
         with _outside_caller_scopes(graph):
-            made[key] = tf.constant(value, tf.int64)
-    return made[key]
+            return tf.constant(value, tf.int64, name=name)
 
 
 def _xla_zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -121,3 +121,20 @@ def test_patched_gradients_inside_a_tf_function_called_many_times():
         other_shape = [g.numpy() for g in step(tf.ones([2, WIDTH]))]
     assert_same_gradients(first, second)
     assert len(other_shape) == len(ws)
+
+
+def test_a_graph_is_freed_once_its_gradients_are_built_and_dropped():
+    """Nothing the library keeps holds a graph (or the variables a function captured)."""
+    import gc
+    import weakref
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [4, WIDTH])
+        ws, hidden, loss = chain(x)
+        msg.gradients(loss, ws, checkpoints=hidden[2::3])
+        msg.gradients(loss, ws, checkpoints="memory")
+    freed = weakref.ref(graph)
+    del graph, x, ws, hidden, loss
+    gc.collect()
+    assert freed() is None
