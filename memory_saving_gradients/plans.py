@@ -126,13 +126,31 @@ def _recomputed(view: ForwardView, schedule: Schedule, nested) -> float:
     total = 0.0
     for step in schedule.steps:
         segment = Segment.union([schedule.segments[op] for op in step])
-        total += sum(costs.flops(op) for op in segment.ops)
+        total += sum(costs.flops(op) for op in _run_again(view, segment.ops))
         inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
         if inner:
             ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
             sub = ForwardView.build(ends, list(segment.frontier))
             total += _recomputed(sub, Schedule.build(sub, inner), nested[1:])
     return total
+
+
+def _run_again(view: ForwardView, ops) -> list[tf.Operation]:
+    """The copies of `ops` that run: those with an output that their own gradient, the
+    gradient of another of `ops`, or another running copy reads. The executor prunes the
+    rest (the copy of a convolution making a boundary: its gradient reads only its inputs)."""
+    running: set[tf.Operation] = set()
+    for op in sorted(ops, key=view.position.__getitem__, reverse=True):
+        read = bool(view.costs[op].saved_outputs) or any(
+            reader in running
+            or (reader in ops and index in view.costs[reader].saved_inputs and input_ is tensor)
+            for tensor in op.outputs
+            for reader in view.consumers(tensor)
+            for index, input_ in enumerate(reader.inputs)
+        )
+        if read:
+            running.add(op)
+    return list(running)
 
 
 def _shape(tensor: tf.Tensor) -> str:

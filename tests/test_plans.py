@@ -1,0 +1,141 @@
+"""`msg.plan`: what a strategy keeps, its predicted cost, its table, and using it as it is."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from tests.helpers import assert_recomputes, assert_same_gradients
+
+tf1 = tf.compat.v1
+DEPTH, WIDTH, BATCH = 16, 64, 512
+
+
+def chain():
+    """A tanh(matmul) chain whose activations outweigh its weights."""
+    x = tf1.placeholder(tf.float32, [BATCH, WIDTH])
+    rng = np.random.RandomState(0)
+    weights = [
+        tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
+        for _ in range(DEPTH)
+    ]
+    h, hidden = x, []
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+        hidden.append(h)
+    return x, weights, hidden, tf.reduce_sum(h * h)
+
+
+def test_memory_plan_keeps_graph_tensors_and_predicts_less_than_plain():
+    with tf.Graph().as_default() as graph:
+        _, weights, _, loss = chain()
+        plan = msg.plan(loss, weights)
+    assert isinstance(plan, msg.Plan)
+    assert plan.strategy == "'memory'"
+    assert 3 <= len(plan.checkpoints) < DEPTH
+    assert all(t.graph is graph for t in plan.checkpoints)
+    assert 0 < plan.peak_bytes < 0.5 * plan.plain_peak_bytes
+    # One level over the whole pass: nearly every layer before the last segment runs again.
+    assert 0.6 < plan.recompute_flops_fraction <= 1.0
+    assert plan.nested == ()
+
+
+def test_speed_plan_recomputes_only_the_cheap_ops():
+    """'speed' keeps the matmul outputs: only the tanh ops run again, a few hundredths of the
+    forward compute (the copies of the kept matmuls are pruned: their gradients read only
+    their inputs)."""
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        plan = msg.plan(loss, weights, checkpoints="speed")
+    assert {t.op.type for t in plan.checkpoints} == {"MatMul"}
+    assert 0 < plan.recompute_flops_fraction < 0.05
+
+
+def test_list_plan_recomputes_what_lies_before_its_checkpoint():
+    with tf.Graph().as_default():
+        _, weights, hidden, loss = chain()
+        plan = msg.plan(loss, weights, checkpoints=[hidden[DEPTH // 2 - 1]])
+    assert plan.checkpoints == (hidden[DEPTH // 2 - 1],)
+    assert plan.recompute_flops_fraction == pytest.approx(0.5, abs=0.05)
+
+
+def test_plan_table_names_each_kept_tensor_and_both_peaks():
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        plan = msg.plan(loss, weights)
+    table = str(plan)
+    lines = table.splitlines()
+    assert lines[0] == f"Plan ('memory'): keeps {len(plan.checkpoints)} tensors"
+    assert f"{plan.peak_bytes / 2**20:.1f} MiB with it" in lines[1]
+    assert f"{plan.plain_peak_bytes / 2**20:.1f} MiB without" in lines[1]
+    assert f"recomputes {plan.recompute_flops_fraction:.2f} of the forward compute" in lines[2]
+    assert lines[3].split() == ["level", "tensor", "op", "shape", "MiB"]
+    rows = [line.split() for line in lines[4:]]
+    assert [row[1] for row in rows] == [t.name for t in plan.checkpoints]
+    assert all(row[2] in ("MatMul", "Tanh") for row in rows)
+    assert all(row[-1] == f"{BATCH * WIDTH * 4 / 2**20:.2f}" for row in rows)
+
+
+def test_nested_plan_lists_each_level():
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        least = msg.plan(loss, weights)
+        plan = msg.plan(loss, weights, checkpoints=msg.MemoryBudget(bytes=least.peak_bytes // 2))
+    assert plan.nested, "half of one level's least peak needs nested recomputation"
+    assert plan.recompute_flops_fraction > least.recompute_flops_fraction
+    rows = [line.split() for line in str(plan).splitlines()[4:]]
+    assert {row[0] for row in rows} == {str(level) for level in range(len(plan.levels))}
+
+
+def test_gradients_use_a_plan_as_it_is():
+    with tf.Graph().as_default() as graph:
+        x, weights, _, loss = chain()
+        plan = msg.plan(loss, weights)
+        got = msg.gradients(loss, weights, checkpoints=plan)
+        assert_recomputes(graph)
+        # The forward activations the recomputation reads (through its gates) are the plan's.
+        gated = {
+            op.inputs[0].ref()
+            for op in graph.get_operations()
+            if "/step_" in op.name
+            and op.type == "StridedSlice"
+            and op.inputs[0].op.type in ("MatMul", "Tanh")
+            and "gradients" not in op.inputs[0].name
+        }
+        assert gated and gated <= {t.ref() for t in plan.checkpoints}
+        reference = tf1.gradients(loss, weights)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            feed = {x: np.random.RandomState(1).randn(BATCH, WIDTH).astype(np.float32)}
+            values = session.run([reference, got], feed)
+    assert_same_gradients(*values)
+
+
+def test_a_plan_for_other_xs_is_refused():
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        plan = msg.plan(loss, weights[:4])
+        with pytest.raises(ValueError, match="made for other ys or xs"):
+            msg.gradients(loss, weights, checkpoints=plan)
+
+
+def test_a_policy_callable_chooses_the_checkpoints():
+    seen = []
+
+    def every_fourth_tanh(view):
+        seen.append(view)
+        tanhs = [op.outputs[0] for op in view.ops if op.type == "Tanh"]
+        return tanhs[3::4]
+
+    with tf.Graph().as_default():
+        x, weights, hidden, loss = chain()
+        plan = msg.plan(loss, weights, checkpoints=every_fourth_tanh)
+        got = msg.gradients(loss, weights, checkpoints=every_fourth_tanh)
+        reference = tf1.gradients(loss, weights)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            values = session.run([reference, got], {x: np.ones((BATCH, WIDTH), np.float32)})
+    assert isinstance(seen[0], msg.ForwardView)
+    assert plan.strategy == "every_fourth_tanh"
+    assert plan.checkpoints == tuple(hidden[3::4])
+    assert_same_gradients(*values)
