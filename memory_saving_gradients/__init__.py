@@ -10,24 +10,65 @@
 Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
 """
 
-from memory_saving_gradients import keras
-from memory_saving_gradients.api import (
-    gradients,
-    gradients_collection,
-    gradients_memory,
-    gradients_speed,
-    plan,
-)
-from memory_saving_gradients.patch import patch, patched, unpatch
-from memory_saving_gradients.plans import Plan
-from memory_saving_gradients.strategies import (
-    CHECKPOINTS_COLLECTION,
-    MemoryBudget,
-    NoCheckpointsError,
-    add_checkpoint,
-)
-from memory_saving_gradients.tape import GradientTape
-from memory_saving_gradients.view import ForwardView
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+#: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
+#: the first use of a name does, so a command can quiet TensorFlow before it starts.
+_PUBLIC = {
+    "CHECKPOINTS_COLLECTION": "strategies",
+    "ForwardView": "view",
+    "GradientTape": "tape",
+    "MemoryBudget": "strategies",
+    "NoCheckpointsError": "strategies",
+    "Plan": "plans",
+    "add_checkpoint": "strategies",
+    "gradients": "api",
+    "gradients_collection": "api",
+    "gradients_memory": "api",
+    "gradients_speed": "api",
+    "patch": "patch",
+    "patched": "patch",
+    "plan": "api",
+    "unpatch": "patch",
+}
+
+if TYPE_CHECKING:
+    from memory_saving_gradients import keras
+    from memory_saving_gradients.api import (
+        gradients,
+        gradients_collection,
+        gradients_memory,
+        gradients_speed,
+        plan,
+    )
+    from memory_saving_gradients.patch import patch, patched, unpatch
+    from memory_saving_gradients.plans import Plan
+    from memory_saving_gradients.strategies import (
+        CHECKPOINTS_COLLECTION,
+        MemoryBudget,
+        NoCheckpointsError,
+        add_checkpoint,
+    )
+    from memory_saving_gradients.tape import GradientTape
+    from memory_saving_gradients.view import ForwardView
+
+
+def __getattr__(name: str):
+    if name == "keras":
+        return importlib.import_module("memory_saving_gradients.keras")
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'memory_saving_gradients' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC, "keras"])
+
 
 __version__ = "0.1.0"
 

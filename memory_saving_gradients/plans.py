@@ -98,7 +98,7 @@ class Plan:
     def __str__(self) -> str:
         plain, peak = self.plain_peak_bytes, self.peak_bytes
         lines = [
-            f"Plan ({self.strategy}): keeps {len(self.checkpoints)} tensors"
+            f"Plan ({self.strategy}): keeps {_count(self.checkpoints)}"
             + (f", and {sum(map(len, self.nested))} more nested" if self.nested else ""),
             f"  predicted activation peak {peak / MIB:.1f} MiB with it, "
             f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
@@ -151,6 +151,10 @@ def _run_again(view: ForwardView, ops) -> list[tf.Operation]:
         if read:
             running.add(op)
     return list(running)
+
+
+def _count(tensors: Sequence[tf.Tensor]) -> str:
+    return f"{len(tensors)} tensor" + ("" if len(tensors) == 1 else "s")
 
 
 def _shape(tensor: tf.Tensor) -> str:
