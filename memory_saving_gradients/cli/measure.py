@@ -7,9 +7,10 @@ configured for a `tf.compat.v1.Session`, so its recomputation runs the plain ste
 
 Every step is built on a fresh model (same seed), run once to warm up, then once measured:
 activation memory is the allocator's peak minus what was resident before the step (weights,
-inputs), `profiling.peak_memory`. Times are medians of steps taken in turns, all methods of
-one depth interleaved after one untimed round, so that the machine's drift reaches them
-alike; they are compared with plain measured in the same turns.
+inputs), `profiling.peak_memory`, the smallest over a few fresh builds. Times are medians of
+steps taken in turns, all methods of one depth interleaved after one untimed round, so that
+the machine's drift reaches them alike; they are compared with plain measured in the same
+turns.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class _SessionStep(_Step):
 
 
 class _Hints:
-    """A `wrap` that records the ops each block makes, but those of its output and stateful
+    """A `wrap` that records the ops each wrapped block makes, but its output's and stateful
     ones (variable reads, moving averages): what grappler's MANUAL mode may recompute."""
 
     def __init__(self) -> None:

@@ -1,15 +1,15 @@
-"""The models the command measures, at sizes two CPU cores train in a fraction of a second.
+"""The models the command measures, at sizes two CPU cores step through in under a second.
 
 A builder makes a model's variables where it is called (eagerly, or in a `tf.compat.v1`
 graph) and returns a `Model` whose `loss(wrap)` builds the training forward pass wherever it
 is called (a `tf.function`, a graph). Models made of blocks pass every block through `wrap`,
 so that a baseline can wrap it in `tf.recompute_grad` or mark its ops for grappler. Chains of
-blocks are wrapped in groups of about sqrt(depth) blocks, the segment length that minimises
-one level of recomputation.
+blocks are wrapped in groups of about sqrt(depth) blocks: with equal segments, the length
+that keeps the least memory.
 
 Keras layers make their variables on their first call, which must not happen while a
-`tf.function` is traced: every builder runs its forward pass once, eagerly or in its graph,
-on a batch of one.
+`tf.function` is traced: builders of Keras models run the forward pass once where they are
+called, on a batch of one, and take the variables it reads.
 """
 
 from __future__ import annotations
@@ -326,8 +326,8 @@ def _through(parts: Sequence[Callable], h: tf.Tensor) -> tf.Tensor:
 def _classifier(
     depth: int, inputs: tf.Tensor, features: Callable[[tf.Tensor, Wrap], tf.Tensor]
 ) -> Model:
-    """A model whose `features` are pooled (or given pooled) into logits by a Dense layer,
-    trained with cross-entropy on fixed labels."""
+    """A classifier: `features` (pooled over space where they are images) into logits by a
+    Dense layer, trained with cross-entropy on fixed labels."""
     dense = keras.layers.Dense(CLASSES)
     labels = tf.constant(_labels(inputs.shape[0]))
 

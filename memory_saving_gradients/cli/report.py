@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from memory_saving_gradients.cli.measure import PLAIN, Point
 
 #: The strategy whose peak grows as sqrt(depth): the plot fits that curve to it.
 SQRT_STRATEGY = "'memory'"
+#: One marker per method, so that methods measuring the same stay told apart.
+MARKERS = "osD^vPX*"
 _COLUMNS = (
     ("depth", "depth", "{:d}"),
     ("method", "method", "{}"),
@@ -40,17 +43,18 @@ def table(points: Sequence[Point]) -> str:
         ).rstrip()
 
     lines = [line(header), *map(line, rows)]
-    references = {point.method: point.reference for point in points if point.method != PLAIN.name}
-    others = sorted({f"{m}: to {r}" for m, r in references.items() if r != PLAIN.name})
-    lines.append("ratios: to plain at the same depth" + "".join(f"; {o}" for o in others))
-    slopes = memory_slopes(points)
+    others = sorted(
+        {f"; {p.method}: to {p.reference}" for p in points if p.reference != PLAIN.name}
+    )
+    lines.append("ratios: to plain at the same depth" + "".join(others))
+    slopes = _memory_slopes(points)
     if slopes:
         listed = ", ".join(f"{method} {slope:.2f}" for method, slope in slopes.items())
         lines.append(f"log-log slope of memory against depth: {listed}")
     return "\n".join(lines)
 
 
-def memory_slopes(points: Sequence[Point]) -> dict[str, float]:
+def _memory_slopes(points: Sequence[Point]) -> dict[str, float]:
     """The exponent b of the least-squares fit memory ~ depth**b of each method measured at
     several depths (and never at 0 MiB)."""
     slopes = {}
@@ -81,9 +85,10 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
 
     figure = Figure(figsize=(11, 4.5), layout="constrained")
     memory_axes, time_axes = figure.subplots(1, 2)
-    memory = _series(points, "activation_mib")
-    for method, (depths, values) in memory.items():
-        (line,) = memory_axes.plot(depths, values, "o-", label=method)
+    for (method, (depths, values)), marker in zip(
+        _series(points, "activation_mib").items(), itertools.cycle(MARKERS)
+    ):
+        (line,) = memory_axes.plot(depths, values, marker=marker, label=method)
         fit = {PLAIN.name: ("depth", 1.0), SQRT_STRATEGY: ("sqrt(depth)", 0.5)}.get(method)
         if fit and len(set(depths)) > 1:
             _draw_fit(memory_axes, depths, values, *fit, line.get_color())
@@ -92,8 +97,10 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
     )
     memory_axes.set_ylim(bottom=0)
     memory_axes.legend(fontsize="small")
-    for method, (depths, ratios) in _series(points, "time_ratio").items():
-        time_axes.plot(depths, ratios, "o-", label=method)
+    for (method, (depths, ratios)), marker in zip(
+        _series(points, "time_ratio").items(), itertools.cycle(MARKERS)
+    ):
+        time_axes.plot(depths, ratios, marker=marker, label=method)
     time_axes.axhline(1.0, color="grey", linewidth=0.8)
     time_axes.set(xlabel="depth", ylabel="step time / plain", title="Time of one step")
     time_axes.legend(fontsize="small")
