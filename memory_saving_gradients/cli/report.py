@@ -97,10 +97,13 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
     )
     memory_axes.set_ylim(bottom=0)
     memory_axes.legend(fontsize="small")
+    references = {point.method: point.reference for point in points}
     for (method, (depths, ratios)), marker in zip(
         _series(points, "time_ratio").items(), itertools.cycle(MARKERS)
     ):
-        time_axes.plot(depths, ratios, marker=marker, label=method)
+        reference = references[method]
+        label = method if reference == PLAIN.name else f"{method} (to {reference})"
+        time_axes.plot(depths, ratios, marker=marker, label=label)
     time_axes.axhline(1.0, color="grey", linewidth=0.8)
     time_axes.set(xlabel="depth", ylabel="step time / plain", title="Time of one step")
     time_axes.legend(fontsize="small")
