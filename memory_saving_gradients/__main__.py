@@ -1,0 +1,7 @@
+"""`python -m memory_saving_gradients`: the demo, benchmarks and plans of `cli`."""
+
+import sys
+
+from memory_saving_gradients.cli.main import main
+
+sys.exit(main())

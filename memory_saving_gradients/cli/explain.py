@@ -1,0 +1,40 @@
+"""What each strategy would keep for a model, and why, without running a step."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients import strategies
+from memory_saving_gradients.cli import models
+
+
+def plans(
+    name: str, depth: int, shape: models.Shape, names: Sequence[str], budgets: Sequence[float]
+) -> str:
+    """For each strategy of `names` and each budget: a heading, the first paragraph of its
+    docstring (why it keeps what it keeps) and its plan for model `name`."""
+    model = models.build(name, depth, shape)
+    choices = [*names, *(msg.MemoryBudget(fraction) for fraction in budgets)]
+    sections = []
+
+    def trace() -> tf.Tensor:
+        loss = model.loss(models.unwrapped)
+        for checkpoints in choices:
+            plan = msg.plan(loss, model.variables, checkpoints=checkpoints)
+            sections.append(f"== {checkpoints!r}: {_why(checkpoints)}\n{plan}")
+        return loss
+
+    tf.function(trace).get_concrete_function()
+    heading = f"{name} at depth {model.depth}, batch {shape.batch}, {shape.dtype}"
+    return "\n\n".join([heading, *sections])
+
+
+def _why(checkpoints: str | msg.MemoryBudget) -> str:
+    """The first paragraph of the strategy's docstring, on one line."""
+    strategy = strategies.STRATEGIES.get(checkpoints) if isinstance(checkpoints, str) else None
+    doc = inspect.getdoc(strategy or type(checkpoints)) or ""
+    return " ".join(doc.split("\n\n")[0].split())

@@ -1,0 +1,325 @@
+"""Options of the `memory-saving-gradients` command, checked before any model is built.
+
+    memory-saving-gradients demo [--quick] [--out DIR]
+    memory-saving-gradients bench --model resnet --depths 4 8 16 --budgets 0.25 0.5
+    memory-saving-gradients explain --model ResNet50 --strategies memory balanced
+
+Tables go to stdout, progress to stderr; `demo` and `bench` also write a CSV file and, with
+matplotlib installed (the `demo` extra), a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memory_saving_gradients.cli.models import Shape
+
+STRATEGIES = ("speed", "memory", "balanced")
+BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
+DEVICES = ("auto", "cpu", "gpu")
+DTYPES = ("float32", "mixed_float16")
+#: The demo: the chain at its default sizes, plain against every strategy and a budget; with
+#: --quick, at these depths, batch and width.
+DEMO_QUICK = ((4, 8, 16, 32), 512, 128)
+DEMO_BUDGET = 0.25
+DEMO_REPEATS = 5
+DEMO_BUILDS = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line `argv` (default: the process's); returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except _OptionError as error:
+        parser.error(str(error))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memory-saving-gradients",
+        description="Peak memory and step time of checkpointed gradients (TensorFlow 2).",
+    )
+    commands = parser.add_subparsers(required=True, metavar="{demo,bench,explain}")
+
+    demo = commands.add_parser(
+        "demo",
+        help="a deep tanh(matmul) chain, plain tf.gradients against every strategy",
+        description="Peak activation memory and step time of a chain of tanh(matmul) layers "
+        "at four depths: plain tf.gradients against the "
+        f"strategies {', '.join(STRATEGIES)} and MemoryBudget({DEMO_BUDGET}). About a minute "
+        "or two on two CPU cores.",
+    )
+    demo.add_argument("--quick", action="store_true", help="smaller and shallower: under a minute")
+    _add_out(demo)
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="any model, strategies and budgets, against TensorFlow's own recomputation",
+        description="Peak activation memory and step time of a model at several depths, "
+        "plain tf.gradients against strategies, memory budgets and TensorFlow's own "
+        "recomputation (tf.recompute_grad over blocks, grappler's memory optimizer).",
+    )
+    _add_model(bench)
+    bench.add_argument(
+        "--depths", type=_depth, nargs="+", help="depths to measure (default: per model)"
+    )
+    _add_methods(bench)
+    bench.add_argument(
+        "--baselines",
+        nargs="*",
+        choices=BASELINES,
+        default=list(BASELINES),
+        help="TensorFlow's own recomputation to measure too (default: all)",
+    )
+    bench.add_argument(
+        "--repeats", type=_positive, default=3, help="timed steps per method and depth"
+    )
+    bench.add_argument(
+        "--builds",
+        type=_positive,
+        default=2,
+        help="fresh builds per method and depth; the smallest peak is reported (TensorFlow's "
+        "executor may schedule one build's ops otherwise than another's)",
+    )
+    bench.add_argument("--device", choices=DEVICES, default="auto", help="default: a GPU if any")
+    _add_out(bench)
+    bench.set_defaults(run=_bench)
+
+    explain = commands.add_parser(
+        "explain",
+        help="what each strategy keeps and its predicted peak, without running a step",
+        description="Print the plan of each strategy for a model: the tensors it keeps, the "
+        "predicted activation peak with and without them, and the forward compute it repeats.",
+    )
+    _add_model(explain)
+    explain.add_argument(
+        "--depth", type=_depth, help="the model's depth (default: its smallest default)"
+    )
+    _add_methods(explain)
+    explain.set_defaults(run=_explain)
+    return parser
+
+
+def _add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="chain",
+        help="chain, resnet, densenet, unet, transformer, or a keras.applications name "
+        "such as ResNet50 or MobileNetV2 (default: chain)",
+    )
+    parser.add_argument("--batch", type=_positive, help="batch size (default: per model)")
+    parser.add_argument(
+        "--width",
+        type=_positive,
+        help="units of the chain, channels of the CNNs (growth of densenet), model "
+        "dimension of the transformer (default: per model)",
+    )
+    parser.add_argument(
+        "--size",
+        type=_positive,
+        help="image side, or the transformer's sequence length (default: per model)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+
+
+def _add_methods(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--strategies",
+        nargs="*",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="checkpointing strategies (default: all)",
+    )
+    parser.add_argument(
+        "--budgets",
+        type=_fraction,
+        nargs="*",
+        default=[DEMO_BUDGET],
+        help=f"MemoryBudget fractions of plain's peak (default: {DEMO_BUDGET})",
+    )
+
+
+def _add_out(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", type=Path, default=Path("results"), help="folder for the CSV file and plot"
+    )
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _depth(text: str) -> int:
+    value = _integer(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a depth must be at least 2, got {text}")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a budget must be above 0, got {text}")
+    return value
+
+
+class _OptionError(Exception):
+    """An option's value that cannot be used; the message names the option."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"argument {option}: {message}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    depths, batch, width = DEMO_QUICK if args.quick else (None, None, None)
+    bench = argparse.Namespace(
+        model="chain",
+        depths=depths,
+        batch=batch,
+        width=width,
+        size=None,
+        dtype="float32",
+        strategies=list(STRATEGIES),
+        budgets=[DEMO_BUDGET],
+        baselines=[],
+        repeats=DEMO_REPEATS,
+        builds=DEMO_BUILDS,
+        device="auto",
+        out=args.out,
+    )
+    return _measure(bench, stem="demo")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return _measure(args, stem=f"bench-{args.model}")
+
+
+def _measure(args: argparse.Namespace, stem: str) -> int:
+    """Measure every method at every depth; print the table, write the CSV file and plot."""
+    shape, depths = _model_options(args, args.depths, "--depths")
+    _check_writable(args.out)
+    device = _start(args.device)
+    from memory_saving_gradients.cli import measure, models, report
+
+    chosen = measure.methods(args.strategies, args.budgets, args.baselines)
+    print(_setting(args.model, shape, device, models.kind_of(args.model).depth_counts))
+    start = time.perf_counter()
+    setting = measure.Setting(device, args.builds, args.repeats)
+    points = measure.sweep(args.model, shape, depths, chosen, setting, _progress)
+    print(report.table(points))
+    print(
+        f"(activation: peak above resident memory, smallest of {args.builds} fresh builds; "
+        f"step: median of {args.repeats} interleaved steps; {time.perf_counter() - start:.0f} s)"
+    )
+    csv_path, plot_path = args.out / f"{stem}.csv", args.out / f"{stem}.png"
+    report.write_csv(points, csv_path, {"model": args.model, "device": device, **vars(shape)})
+    try:
+        report.plot(points, plot_path, _setting(args.model, shape, device))
+        print(f"wrote {csv_path} and {plot_path}")
+    except ImportError:
+        print(f"wrote {csv_path}; no plot: matplotlib is missing (pip install matplotlib)")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    shape, depths = _model_options(args, [args.depth] if args.depth else None, "--depth")
+    _start("auto")
+    from memory_saving_gradients.cli import explain
+
+    print(explain.plans(args.model, depths[0], shape, args.strategies, args.budgets))
+    return 0
+
+
+def _model_options(
+    args: argparse.Namespace, depths: Sequence[int] | None, depth_option: str
+) -> tuple[Shape, list[int]]:
+    """The shape of `args.model` and the depths to build it at, defaults filled in.
+
+    Raises:
+      _OptionError: the model does not exist, or does not take these sizes.
+    """
+    from memory_saving_gradients.cli import models
+
+    if args.model not in models.KINDS and args.model not in models.application_names():
+        raise _OptionError(
+            "--model",
+            f"unknown model {args.model!r}: use one of {', '.join(models.KINDS)} or a "
+            "keras.applications name such as ResNet50",
+        )
+    kind = models.kind_of(args.model)
+    if depths and not kind.has_blocks:
+        raise _OptionError(depth_option, "keras.applications models have their own depth")
+    depths = list(depths or kind.depths)
+    shape = models.Shape(
+        batch=args.batch or kind.batch,
+        width=args.width or kind.width,
+        size=args.size or kind.size,
+        dtype=args.dtype,
+    )
+    if args.model == "transformer" and shape.width % models.HEADS:
+        raise _OptionError("--width", f"the transformer's must be a multiple of {models.HEADS}")
+    if args.model == "unet" and any(shape.size % 2 ** (depth - 1) for depth in depths):
+        raise _OptionError(
+            depth_option,
+            f"a U-Net of depth d halves its images d - 1 times: {shape.size} pixels (--size) "
+            "must be divisible by 2**(d - 1)",
+        )
+    return shape, depths
+
+
+def _check_writable(folder: Path) -> None:
+    probe = folder / ".memory-saving-gradients-probe"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise _OptionError("--out", f"cannot write to {folder}: {error.strerror}") from None
+
+
+def _start(device: str) -> str:
+    from memory_saving_gradients.cli import runtime
+
+    runtime.quiet()
+    runtime.warn_once()
+    try:
+        return runtime.start(device)
+    except runtime.NoGpuError as error:
+        raise _OptionError("--device", str(error)) from None
+
+
+def _setting(model: str, shape: Shape, device: str, depth_counts: str | None = None) -> str:
+    """One line saying what was measured: model, sizes, dtype, device."""
+    import tensorflow as tf
+
+    depth = f" (depth: {depth_counts})" if depth_counts else ""
+    sizes = [f"batch {shape.batch}"]
+    sizes += [f"width {shape.width}"] if shape.width else []
+    sizes += [f"size {shape.size}"] if shape.size else []
+    return f"{model}{depth}, {', '.join(sizes)}, {shape.dtype}, {device}, TF {tf.__version__}"
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,97 @@
+"""The command's process-wide settings: quiet TensorFlow logs, each of the library's warnings
+once, one inter-op thread, and the device steps run on.
+
+One inter-op thread makes peaks repeatable: with more, the executor runs independent ops in
+an order that changes from run to run, and holds different tensors at once. Settings that
+TensorFlow reads when its runtime starts must come before the first op runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+
+
+class NoGpuError(RuntimeError):
+    """A GPU was asked for and TensorFlow sees none."""
+
+
+def quiet() -> None:
+    """Keep TensorFlow's and Keras's informational output off the terminal.
+
+    TF_CPP_MIN_LOG_LEVEL only takes effect where TensorFlow is not imported yet; the absl and
+    Python loggers and warnings filters take effect at once.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"(tensorflow|keras)(\.|$)")
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+
+def warn_once() -> None:
+    """Show the library's warnings on stderr, each distinct message once: every fresh build of
+    a step would repeat them."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.addFilter(_FirstTime())
+    logging.getLogger("memory_saving_gradients").addHandler(handler)
+
+
+class _FirstTime(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        first = message not in self._seen
+        self._seen.add(message)
+        return first
+
+
+def start(device: str) -> str:
+    """Start TensorFlow's runtime for `device` ('cpu', 'gpu', or 'auto': a GPU where there is
+    one) and return the device whose memory steps are measured on ('CPU:0' or 'GPU:0').
+
+    Raises:
+      NoGpuError: `device` is 'gpu' and TensorFlow sees no GPU.
+    """
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    with _stderr_kept_unless_failing():  # CUDA's start-up complaints on CPU-only machines
+        gpus = tf.config.list_physical_devices("GPU")
+    if device == "gpu" and not gpus:
+        raise NoGpuError("TensorFlow sees no GPU")
+    if device == "cpu" or not gpus:
+        tf.config.set_visible_devices([], "GPU")
+        return "CPU:0"
+    tf.config.experimental.set_memory_growth(gpus[0], True)
+    return "GPU:0"
+
+
+@contextlib.contextmanager
+def _stderr_kept_unless_failing() -> Iterator[None]:
+    """What native code writes to stderr inside is dropped, unless the block raises: then it
+    is written out before the error propagates."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
