@@ -36,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: the process's); returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    from memory_saving_gradients.cli import runtime
+
+    runtime.quiet()  # before anything imports TensorFlow
     try:
         return args.run(args)
     except _OptionError as error:

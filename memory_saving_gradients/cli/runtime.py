@@ -24,15 +24,32 @@ class NoGpuError(RuntimeError):
 def quiet() -> None:
     """Keep TensorFlow's and Keras's informational output off the terminal.
 
-    TF_CPP_MIN_LOG_LEVEL only takes effect where TensorFlow is not imported yet; the absl and
-    Python loggers and warnings filters take effect at once.
+    TF_CPP_MIN_LOG_LEVEL only takes effect where TensorFlow is not imported yet, and the
+    native start-up notices ignore it; the absl and Python loggers and warnings filters take
+    effect at once.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _import_tensorflow_without_native_logs()
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)
     warnings.filterwarnings("ignore", module=r"(tensorflow|keras)(\.|$)")
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+
+def _import_tensorflow_without_native_logs() -> None:
+    """Import TensorFlow and Keras with the process's stderr closed: their native libraries
+    write start-up notices (oneDNN, CUDA stubs, CPU features) before any log level applies.
+    An import error still raises, and its traceback is printed once stderr is back."""
+    stderr = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            import keras  # noqa: F401
+            import tensorflow  # noqa: F401
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
 
 
 def warn_once() -> None:
