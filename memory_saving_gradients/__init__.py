@@ -61,9 +61,11 @@ def __getattr__(name: str):
         return importlib.import_module("memory_saving_gradients.keras")
     if name not in _PUBLIC:
         raise AttributeError(f"module 'memory_saving_gradients' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}"), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}")
+    # Every public name of that module at once: importing `patch.py` sets this package's
+    # `patch` to the module, which the function of that name must replace.
+    globals().update({n: getattr(module, n) for n, m in _PUBLIC.items() if m == _PUBLIC[name]})
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
