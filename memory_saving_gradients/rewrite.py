@@ -146,7 +146,10 @@ class _Backprop:
             [target.tensor for target in targets],
             None if grad_ys is None else list(grad_ys),
             name="segment",
-            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops,
+            # A step without copies passes gradients into variable reads, which carry no
+            # device under a distribution strategy: its gradients go on the caller's device,
+            # as tf.gradients puts the op that made them (an all-reduce needs a device).
+            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops and bool(copies),
             gate_gradients=self.options.gate_gradients,
             aggregation_method=self.options.aggregation_method,
             stop_gradients=[*user_stops, *copied_stops],
