@@ -1,8 +1,10 @@
 """Every script in examples/ runs as a user would run it, and shows the memory it saves.
 
-Each runs in a fresh interpreter (some configure devices, which only works before
-TensorFlow's runtime starts). Scripts that print a plain and a checkpointed peak must show
-the checkpointed one well below the plain one.
+Each runs in a fresh interpreter (some configure devices or a cluster, which only works before
+TensorFlow's runtime starts); those whose full size takes minutes run at the size their
+--tiny flag sets. Scripts print peaks in pairs, plain then checkpointed (one pair per worker
+in multi_worker): each checkpointed peak must be well below its plain one, and gradients
+compared with `tf.gradients` must equal them to float32 round-off.
 """
 
 import re
@@ -12,17 +14,38 @@ import pytest
 from tests.helpers import ROOT, run_python
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+#: Examples whose full size takes minutes on two cores.
+TAKE_TINY = {"cifar_resnet_fit", "multi_worker", "pixelcnn", "transformer_lm_tape"}
+#: Examples a known library bug stops, and the bug.
+KNOWN_FAILURES = {
+    "multi_worker": "checkpointed gradients of variables carry no device, and "
+    "MultiWorkerMirroredStrategy cannot all-reduce them in apply_gradients "
+    "(ValueError: destinations can not be empty)",
+}
 PEAK = re.compile(r"peak activation memory (\d+) MiB")
+DIFFERENCE = re.compile(r"differ from tf\.gradients by (\S+) at most")
 
 
 def test_examples_are_found():
-    assert len(EXAMPLES) >= 4
+    names = {script.stem for script in EXAMPLES}
+    assert len(names) >= 7
+    assert names >= TAKE_TINY | KNOWN_FAILURES.keys()
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.stem)
+def example(script):
+    """`script` as a test parameter, expected to fail while a known bug stops it."""
+    marks = []
+    if script.stem in KNOWN_FAILURES:
+        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[script.stem])]
+    return pytest.param(script, id=script.stem, marks=marks)
+
+
+@pytest.mark.parametrize("script", [example(script) for script in EXAMPLES])
 def test_example_runs(script):
-    stdout = run_python(str(script))
+    stdout = run_python(str(script), *(["--tiny"] if script.stem in TAKE_TINY else []))
     peaks = [int(mib) for mib in PEAK.findall(stdout)]
-    if peaks:
-        plain, checkpointed = peaks
+    assert len(peaks) % 2 == 0, stdout
+    for plain, checkpointed in zip(peaks[::2], peaks[1::2], strict=True):
         assert checkpointed < 0.5 * plain, stdout
+    for difference in DIFFERENCE.findall(stdout):
+        assert float(difference) < 1e-4, stdout
