@@ -16,12 +16,6 @@ from tests.helpers import ROOT, run_python
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 #: Examples whose full size takes minutes on two cores.
 TAKE_TINY = {"cifar_resnet_fit", "multi_worker", "pixelcnn", "transformer_lm_tape"}
-#: Examples a known library bug stops, and the bug.
-KNOWN_FAILURES = {
-    "multi_worker": "checkpointed gradients of variables carry no device, and "
-    "MultiWorkerMirroredStrategy cannot all-reduce them in apply_gradients "
-    "(ValueError: destinations can not be empty)",
-}
 PEAK = re.compile(r"peak activation memory (\d+) MiB")
 DIFFERENCE = re.compile(r"differ from tf\.gradients by (\S+) at most")
 
@@ -29,22 +23,14 @@ DIFFERENCE = re.compile(r"differ from tf\.gradients by (\S+) at most")
 def test_examples_are_found():
     names = {script.stem for script in EXAMPLES}
     assert len(names) >= 7
-    assert names >= TAKE_TINY | KNOWN_FAILURES.keys()
+    assert names >= TAKE_TINY
 
 
-def example(script):
-    """`script` as a test parameter, expected to fail while a known bug stops it."""
-    marks = []
-    if script.stem in KNOWN_FAILURES:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[script.stem])]
-    return pytest.param(script, id=script.stem, marks=marks)
-
-
-@pytest.mark.parametrize("script", [example(script) for script in EXAMPLES])
+@pytest.mark.parametrize("script", EXAMPLES, ids=[script.stem for script in EXAMPLES])
 def test_example_runs(script):
     stdout = run_python(str(script), *(["--tiny"] if script.stem in TAKE_TINY else []))
     peaks = [int(mib) for mib in PEAK.findall(stdout)]
-    assert len(peaks) % 2 == 0, stdout
+    assert peaks and len(peaks) % 2 == 0, stdout
     for plain, checkpointed in zip(peaks[::2], peaks[1::2], strict=True):
         assert checkpointed < 0.5 * plain, stdout
     for difference in DIFFERENCE.findall(stdout):
