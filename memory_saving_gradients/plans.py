@@ -41,7 +41,6 @@ class Plan:
         levels: Sequence[Sequence[tf.Tensor]],
         strategy: str,
         plain_peak_bytes: int | None = None,
-        schedule: Schedule | None = None,
     ) -> None:
         self._view = view
         self.checkpoints: tuple[tf.Tensor, ...] = tuple(levels[0]) if levels else ()
@@ -51,8 +50,6 @@ class Plan:
         self.strategy = strategy
         if plain_peak_bytes is not None:  # already simulated for this view
             self.__dict__["plain_peak_bytes"] = plain_peak_bytes
-        if schedule is not None:  # already built for these checkpoints
-            self.__dict__["schedule"] = schedule
 
     @functools.cached_property
     def schedule(self) -> Schedule:

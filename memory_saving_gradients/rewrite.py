@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, editor
-from memory_saving_gradients.schedule import Schedule, Segment
+from memory_saving_gradients.schedule import Schedule, Segment, recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
 
 Gradient = tf.Tensor | tf.IndexedSlices
@@ -228,7 +228,7 @@ def checkpointed_gradients(
     checkpoints of `levels[1]` recomputes it keeping only those, and differentiates it the
     same way, one level down (nested recomputation)."""
     schedule = schedule or Schedule.build(view, levels[0])
-    _report_repeated_recomputation(schedule)
+    _report_repeated_recomputation(view, levels[0])
     user_stopped = {t.op for t in options.stop_gradients}
     backprop = _Backprop(view, options)
 
@@ -302,8 +302,8 @@ def _targets(segment: Segment, gated: dict[object, tf.Tensor]) -> list[_Target]:
     return targets
 
 
-def _report_repeated_recomputation(schedule: Schedule) -> None:
-    repeated = schedule.ops_recomputed_repeatedly()
+def _report_repeated_recomputation(view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> None:
+    repeated = recomputed_repeatedly(view, checkpoints)
     if repeated:
         names = sorted(op.name for op in repeated)
         logger.warning(

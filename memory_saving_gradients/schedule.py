@@ -7,13 +7,16 @@ segment reading its boundaries is done. Segments that share no op and read none 
 other's boundaries do not depend on each other; each gets a step of its own, one after the
 other, so their recomputed tensors are never alive at once.
 
-Strategies ask a schedule which ops a checkpoint list would recompute more than once; the
-rewrite runs it. Building one walks each segment once.
+The rewrite runs a schedule; building one walks each segment once. Which ops a checkpoint
+list would recompute in several steps (`recomputed_repeatedly`, what 'speed' asks while it
+chooses) is found without building one: where a path is left uncut the segments behind it
+overlap, and walking each of them is quadratic.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import tensorflow as tf
@@ -46,9 +49,8 @@ class Segment:
     ) -> Segment:
         reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
         inputs = [t for op in sorted(reached, key=view.order) for t in op.inputs]
-        xs = {x.ref() for x in view.xs}
         frontier = _unique(t for t in inputs if is_boundary(t))
-        read_xs = _unique(t for t in inputs if t.ref() in xs and not is_boundary(t))
+        read_xs = _unique(t for t in inputs if view.is_x(t) and not is_boundary(t))
         recomputed = reached & view.recomputable
         return cls(frozenset(recomputed), frozenset(reached - recomputed), frontier, read_xs)
 
@@ -102,15 +104,47 @@ class Schedule:
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
 
-    def ops_recomputed_repeatedly(self) -> set[tf.Operation]:
-        """Ops in the segments of several steps: each of those steps recomputes them."""
-        seen: set[tf.Operation] = set()
-        repeated: set[tf.Operation] = set()
-        for step in self.steps:
-            ops = frozenset().union(*(self.segments[op].ops for op in step))
-            repeated |= ops & seen
-            seen |= ops
-        return repeated
+
+def recomputed_repeatedly(
+    view: ForwardView, checkpoints: Sequence[tf.Tensor]
+) -> set[tf.Operation]:
+    """The ops that backprop keeping `checkpoints` recomputes in several steps, found in one
+    walk forward and one backward over the view.
+
+    The step of a boundary op's segment comes from its level: the longest chain of
+    boundaries behind it, by which `Schedule.build` orders steps. Segments of one level that
+    share an op are one step, so an op is recomputed repeatedly exactly when the segments
+    holding it (those of the boundary ops it reaches through tensors that are no boundaries)
+    lie on several levels.
+    """
+    boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
+    boundary_ops = {t.op for t in boundaries.values()}
+    level: dict[tf.Operation, int] = {}
+    #: The highest level among the boundaries an op's segment walk would reach.
+    behind: dict[tf.Operation, int] = {}
+    for op in view.ops:
+        behind[op] = max(
+            (
+                level[t.op] if t.ref() in boundaries else behind[t.op]
+                for t in op.inputs
+                if t.op in view.position
+            ),
+            default=-1,
+        )
+        if op in boundary_ops:
+            level[op] = behind[op] + 1
+    #: The lowest and highest level of the segments holding each op.
+    span: dict[tf.Operation, tuple[float, float]] = {}
+    for op in reversed(view.ops):
+        if op in boundary_ops:
+            span[op] = (level[op], level[op])
+            continue
+        readers = [span[r] for t in op.outputs for r in view.consumers(t)]
+        span[op] = (
+            min((low for low, _ in readers), default=math.inf),
+            max((high for _, high in readers), default=-math.inf),
+        )
+    return {op for op, (low, high) in span.items() if low < high and op in view.recomputable}
 
 
 def _independent_groups(

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf, footprint, planner
 from memory_saving_gradients.plans import MIB, Plan
-from memory_saving_gradients.schedule import Schedule
+from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ def speed(view: ForwardView) -> Plan:
             for out in op.outputs
         ],
     )
-    schedule = Schedule.build(view, kept)
-    while repeated := schedule.ops_recomputed_repeatedly():
+    while repeated := recomputed_repeatedly(view, kept):
         ends = [
             out
             for op in repeated
@@ -89,13 +88,12 @@ def speed(view: ForwardView) -> Plan:
             if any(reader not in repeated for reader in view.consumers(out))
         ]
         kept = list({t.ref(): t for t in (*kept, *ends)}.values())
-        schedule = Schedule.build(view, kept)
     if not kept:
         raise NoCheckpointsError(
             f"checkpoints='speed' gave no tensor between xs and ys that can be recomputed from: "
             f"{_ADVICE[repr('speed')]}."
         )
-    return Plan(view, [kept], "'speed'", schedule=schedule)
+    return Plan(view, [kept], "'speed'")
 
 
 def _is_expensive(op: tf.Operation) -> bool:

@@ -123,6 +123,14 @@ class ForwardView:
 
         return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
 
+    @cached_property
+    def _x_refs(self) -> frozenset:
+        return frozenset(x.ref() for x in self.xs)
+
+    def is_x(self, tensor: tf.Tensor) -> bool:
+        """Whether `tensor` is one of `xs`."""
+        return tensor.ref() in self._x_refs
+
     def bytes(self, tensor: tf.Tensor) -> int:
         """Bytes `tensor` occupies by its static shape (`costs.tensor_bytes`)."""
         return costs.tensor_bytes(tensor)
