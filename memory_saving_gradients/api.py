@@ -43,6 +43,7 @@ def gradients(
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
     checkpoints: CheckpointsArg = "collection",
     *,
+    gradients_held: bool = True,
     name: str = "gradients",
     colocate_gradients_with_ops: bool = True,
     gate_gradients: bool = False,
@@ -68,6 +69,11 @@ def gradients(
         plain backprop's, or a number of bytes; nested recomputation below one level's
         least), a `Plan` from `plan`, or a callable given the `ForwardView` that returns the
         tensors to keep (or a Plan).
+      gradients_held: whether the step keeps every gradient until the last one is made (a
+        Session fetches them, a function returns them, loss scaling or global-norm clipping
+        checks them all before applying any), as plans assume by default; False where each
+        is applied as soon as it is made (an optimizer update in the same graph), so that
+        plans and budgets count on the memory that frees.
 
     Returns:
       One gradient per x: a Tensor, an IndexedSlices where `tf.gradients` gives one, or None
@@ -87,12 +93,22 @@ def gradients(
         "aggregation_method": aggregation_method,
     }
     return compute_gradients(
-        ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients, refuse=True
-    )
+        ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
+        refuse=True, gradients_held=gradients_held,
+    )  # fmt: skip
 
 
 def compute_gradients(
-    ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients, *, refuse: bool
+    ys,
+    xs,
+    grad_ys,
+    checkpoints,
+    options,
+    stop_gradients,
+    unconnected_gradients,
+    *,
+    refuse: bool,
+    gradients_held: bool = True,
 ) -> list[Gradient | None]:
     """`gradients`, with its `tf.gradients` options in a dict. Where the strategy finds no
     checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
@@ -110,7 +126,9 @@ def compute_gradients(
         flowing = args.without_constant_ys()
         grads = [None] * len(unique_xs)
         if flowing.ys:
-            grads = _checkpointed(flowing, unique_xs, checkpoints, gradient_options, refuse)
+            grads = _checkpointed(
+                flowing, unique_xs, checkpoints, gradient_options, refuse, gradients_held
+            )
         by_x = {
             x.ref(): _fill_unconnected(x, g, args.unconnected_gradients)
             for x, g in zip(unique_xs, grads, strict=True)
@@ -119,9 +137,14 @@ def compute_gradients(
 
 
 def _checkpointed(
-    args: inputs.Arguments, unique_xs, checkpoints, options: GradientOptions, refuse: bool
+    args: inputs.Arguments,
+    unique_xs,
+    checkpoints,
+    options: GradientOptions,
+    refuse: bool,
+    gradients_held: bool,
 ) -> list:
-    view = ForwardView.build(args.ys, unique_xs, args.grad_ys is not None)
+    view = ForwardView.build(args.ys, unique_xs, args.grad_ys is not None, gradients_held)
     _report_unreachable(view)
     try:
         plan = select_checkpoints(view, checkpoints)
@@ -143,10 +166,12 @@ def plan(
     xs: TensorLike | Sequence[TensorLike],
     checkpoints: CheckpointsArg = "memory",
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
+    *,
+    gradients_held: bool = True,
 ) -> Plan:
-    """What `gradients(ys, xs, grad_ys, checkpoints)` would keep, and what that is predicted to
-    cost, without building any gradient: print it for a table, pass it back as
-    `checkpoints=plan` to use it as it is.
+    """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
+    that is predicted to cost, without building any gradient: print it for a table, pass it
+    back as `checkpoints=plan` to use it as it is.
 
     Raises:
       RuntimeError: called eagerly, outside any graph.
@@ -162,7 +187,9 @@ def plan(
         )
     with args.graph.as_default():
         flowing = args.without_constant_ys()
-        view = ForwardView.build(flowing.ys, args.unique_xs, flowing.grad_ys is not None)
+        view = ForwardView.build(
+            flowing.ys, args.unique_xs, flowing.grad_ys is not None, gradients_held
+        )
         return select_checkpoints(view, checkpoints)
 
 

@@ -8,9 +8,12 @@ alias their input, element-wise kernels write into an input buffer nothing else 
 (`costs.REUSES_INPUT_BUFFER`), and gradients passed on unchanged (an Add's) alias. Backprop
 keeps what each gradient reads (`costs.OpCost`) until that gradient has run, and a gradient
 function's own temporaries (`OpCost.workspace`) live while it runs; the gradient parts of one
-tensor live until they are summed, when its producer is differentiated; gradients of xs live
-to the end of the step (an optimizer applies them all at once). Gradients computed from the
-seed of the loss alone are folded into constants ahead of the step, as graph optimizers do.
+tensor live until they are summed, when its producer is differentiated. Gradients of xs live
+to the end of the step where the view says they are held (fetched, returned, or checked all
+together before an optimizer applies any); otherwise each is summed and freed once the last
+op reading its x is differentiated, as an update in the same step consumes it. Gradients
+computed from the seed of the loss alone are folded into constants ahead of the step, as graph
+optimizers do.
 
 With checkpoints, the forward pass keeps only the boundaries and what the last segment's
 gradients read; each step then recomputes its segments into new buffers (with nested
@@ -61,6 +64,13 @@ class _Run:
         self.buffers: dict[tuple, _Buffer | None] = {}
         #: Gradient parts received for each tensor (by ref), not summed yet.
         self.parts: dict[object, list[_Buffer]] = {}
+        #: Where gradients are applied as they complete: the readers not differentiated yet
+        #: of each tensor whose gradient is an x's.
+        self.readers_left: dict[object, int] = (
+            {}
+            if view.gradients_held
+            else {t.ref(): len(set(view.consumers(t))) for t in _gradients_of_xs(view)}
+        )
         #: (op, "forward" or "backward", copy level, bytes alive after it), in order.
         self.timeline: list[tuple[tf.Operation, str, int, int]] = []
         self._levels = itertools.count(ORIGINAL + 1)
@@ -175,6 +185,7 @@ class _Run:
             self._differentiate_op(op, done)
             for buffer in done:
                 self.release(buffer)
+            self._apply_completed_gradients(op)
             self.timeline.append((op, "backward", level, self.alive))
 
     def _differentiate_op(self, op: tf.Operation, dying: list[_Buffer]) -> None:
@@ -208,6 +219,18 @@ class _Run:
         for buffer in incoming:
             self.release(buffer)
 
+    def _apply_completed_gradients(self, op: tf.Operation) -> None:
+        """Free the gradient of each x that `op` was the last reader of, once summed: an
+        update applies it (where gradients are not held to the end of the step). A variable
+        read passes its gradient on unchanged, with no gate to wait for: its output's
+        gradient is applied as soon as it is complete."""
+        for t in {t.ref(): t for t in op.inputs if t.ref() in self.readers_left}.values():
+            self.readers_left[t.ref()] -= 1
+            if not self.readers_left[t.ref()] and (summed := self._summed_gradient(t)):
+                self.release(summed)
+                if t.ref() in self.parts:
+                    self.release(self.parts.pop(t.ref())[0])
+
     def _summed_gradient(self, tensor: tf.Tensor) -> _Buffer | None:
         """The gradient of `tensor`, its parts summed (into one of them where none is shared),
         held for the caller. Gradients of xs stay alive to the end of the step."""
@@ -225,6 +248,22 @@ class _Run:
         if tensor.ref() in self.xs:
             return self.hold(parts[0])
         return self.parts.pop(tensor.ref())[0]
+
+
+def _gradients_of_xs(view: ForwardView) -> list[tf.Tensor]:
+    """The tensors whose gradients are those of xs: the xs, and what the ops reading an x
+    without being recomputed (variable reads) make of it."""
+    return [
+        *view.xs,
+        *(
+            out
+            for x in view.xs
+            for op in set(view.consumers(x))
+            if op not in view.recomputable
+            for out in op.outputs
+            if out.dtype.is_floating
+        ),
+    ]
 
 
 def _read_by_gradient(op: tf.Operation, cost: costs.OpCost) -> list[tf.Tensor]:

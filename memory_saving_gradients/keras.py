@@ -6,7 +6,9 @@ method Keras documents for customising what `fit` does. `enable` gives one model
 `memory_saving_gradients.GradientTape` in place of `tf.GradientTape`: forward pass,
 `compute_loss`, the "loss" metric, `optimizer.scale_loss` (mixed precision: the
 LossScaleOptimizer unscales in `apply_gradients`), `compute_metrics`. `evaluate` and `predict`
-are Keras's own.
+are Keras's own. Plans count on what the optimizer does with the gradients: a plain update
+applies each as soon as it is made, while loss scaling, global-norm clipping, gradient
+accumulation and the all-reduce of several replicas hold them all until the last is made.
 
 With `jit_compile=True` the training step stays compiled by XLA and keeps its savings (the
 recomputation reads its inputs through a data dependency XLA keeps: NOTE [gates under XLA] in
@@ -69,7 +71,8 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg):
 
     def train_step(model: keras.Model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with GradientTape(checkpoints=checkpoints) as tape:
+        held = _gradients_held(model.optimizer)
+        with GradientTape(checkpoints=checkpoints, gradients_held=held) as tape:
             y_pred = model(x, training=True) if _call_takes_training(model) else model(x)
             loss = _compute_loss(model, x, y, y_pred, sample_weight)
             scaled_loss = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
@@ -84,6 +87,19 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg):
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return train_step
+
+
+def _gradients_held(optimizer: keras.optimizers.Optimizer | None) -> bool:
+    """Whether `optimizer` keeps every gradient until the last one is made before applying
+    any: loss scaling checks them all for overflow, global-norm clipping and gradient
+    accumulation read them all, and an all-reduce over several replicas takes them together."""
+    return (
+        optimizer is None
+        or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        or bool(optimizer.global_clipnorm)
+        or bool(optimizer.gradient_accumulation_steps)
+        or tf.distribute.get_strategy().num_replicas_in_sync > 1
+    )
 
 
 def _make_train_function(model: keras.Model, force: bool = False):

@@ -72,6 +72,9 @@ class Order:
       ops: the ops.
       held: bytes of each op's outputs that backprop holds (some gradient reads them).
       flops: each op's compute.
+      gradients: bytes of the xs' gradients made by the time backprop reaches each op (those
+        of the xs read at or after it), where the view holds them to the end of the step;
+        zeros where each is applied once complete.
       tensors: the tensors read after the op making them, in the order of their producers;
         `made` and `last` give the positions of the producer and of the last reader (the
         view's ys live to the end), `weight` the bytes a cut pays to keep each (less a tie
@@ -81,6 +84,7 @@ class Order:
     ops: tuple[tf.Operation, ...]
     held: np.ndarray
     flops: np.ndarray
+    gradients: np.ndarray
     tensors: tuple[tf.Tensor, ...]
     made: np.ndarray
     last: np.ndarray
@@ -110,10 +114,23 @@ class Order:
                     bytes_ = costs.tensor_bytes(tensor)
                     weight.append(bytes_ if kept else bytes_ * (1 + TIE_BREAK))
         flops = np.array([cost[op].flops for op in ops], dtype=float)
+        gradients = _held_gradients(view, position) if view.gradients_held else np.zeros(len(ops))
         return cls(
-            ops, held, flops, tuple(tensors), np.array(made, dtype=int),
+            ops, held, flops, gradients, tuple(tensors), np.array(made, dtype=int),
             np.array(last, dtype=int), np.array(weight, dtype=float),
         )  # fmt: skip
+
+    def segment_peak(self, start: int = 0, end: int | None = None) -> float:
+        """The model's peak while backprop works through ops [start, end) as one segment:
+        as it reaches each op, what that op and the ops before it hold, and the gradients
+        made so far."""
+        held = np.cumsum(self.held[start:end])
+        return float((held + self.gradients[start:end]).max(initial=0.0))
+
+    def least_peak(self, start: int = 0, end: int | None = None) -> float:
+        """No cuts of ops [start, end) get below this: an op's held bytes and the gradients
+        made by the time backprop reaches it."""
+        return float((self.held[start:end] + self.gradients[start:end]).max(initial=0.0))
 
     def cut_costs(self, start: int, end: int) -> np.ndarray:
         """For each cut inside ops [start, end), what keeping the tensors made inside and read
@@ -130,13 +147,13 @@ class Order:
 def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple[Cuts, float]:
     """The one-level cuts of ops [start, end) with the smallest model peak, and that peak."""
     end = len(order.ops) if end is None else end
-    held = order.held[start:end]
+    held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
     best: list[int] = []
-    low, high = float(held.max(initial=0.0)), float(held.sum())
+    low, high = order.least_peak(start, end), order.segment_peak(start, end)
     for _ in range(BISECTION_STEPS if len(held) > 1 else 0):
         peak = (low + high) / 2
-        found = _cuts_within(held, cut_cost, peak)
+        found = _cuts_within(held, gradients, cut_cost, peak)
         if found is None:
             low = peak
         else:
@@ -150,14 +167,14 @@ def within(
     """The cuts of ops [start, end) that recompute least while the model peak stays within
     `peak`, nesting up to `nesting` levels inside; None if none fit."""
     end = len(order.ops) if end is None else end
-    held = order.held[start:end]
+    held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
-    flat = _cuts_within(held, cut_cost, peak, longest_last_segment=True)
+    flat = _cuts_within(held, gradients, cut_cost, peak, longest_last_segment=True)
     if flat is not None or nesting == 0 or end - start < 3:
         return None if flat is None else _flat(flat, start)
     best, best_work = None, np.inf
     for scale in NESTING_SCALES:
-        top = _cuts_within(held, cut_cost, scale * peak, last_peak=peak)
+        top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
         if top is None or not top:
             continue
         plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1)
@@ -174,7 +191,7 @@ def _nest(order, start, end, top, cut_cost, peak, nesting) -> Cuts | None:
     inner: list[Cuts | None] = []
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
-        if j == len(bounds) - 2 or spent[j] + order.held[a:b].sum() <= peak:
+        if j == len(bounds) - 2 or spent[j] + order.segment_peak(a, b) <= peak:
             inner.append(None)
             continue
         nested = within(order, peak - spent[j], a, b, nesting)
@@ -229,7 +246,7 @@ def model_peak(order: Order, cuts: Cuts, start: int = 0, end: int | None = None)
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
         inside = (
-            order.held[a:b].sum()
+            order.segment_peak(a, b)
             if cuts.inner[j] is None
             else model_peak(order, cuts.inner[j], a, b)
         )
@@ -239,6 +256,25 @@ def model_peak(order: Order, cuts: Cuts, start: int = 0, end: int | None = None)
 
 def _flat(positions: Sequence[int], start: int) -> Cuts:
     return Cuts(tuple(start + p for p in positions), (None,) * (len(positions) + 1))
+
+
+def _held_gradients(view: ForwardView, position: dict[tf.Operation, int]) -> np.ndarray:
+    """`Order.gradients` for gradients held to the end of the step. An x's gradient exists
+    once backprop reaches the last op that reads it, directly or through an op that is not
+    recomputed (a variable read, whose output is what the gradient is the size of)."""
+    gradients = np.zeros(len(position))
+    for x in view.xs:
+        readers, read = [], []
+        for op in set(view.consumers(x)):
+            if op in position:
+                readers.append(position[op])
+                continue
+            for out in op.outputs:
+                readers += [position[r] for r in view.consumers(out) if r in position]
+                read += [out] if out.dtype.is_floating else []
+        size = costs.tensor_bytes(x) if x.dtype.is_floating else sum(map(costs.tensor_bytes, read))
+        gradients[: max(readers, default=len(position) - 1) + 1] += size
+    return gradients
 
 
 def _read_by_gradients(view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> set:
@@ -255,20 +291,22 @@ def _read_by_gradients(view: ForwardView, cost: dict[tf.Operation, costs.OpCost]
 
 def _cuts_within(
     held: np.ndarray,
+    gradients: np.ndarray,
     cut_cost: np.ndarray,
     peak: float,
     longest_last_segment: bool = False,
     last_peak: float | None = None,
 ) -> list[int] | None:
-    """The cheapest cuts for which every segment plus the cuts before it fits in `peak` (the
-    last one in `last_peak`, if given), or None if no cuts do; with `longest_last_segment`,
-    the cheapest of those whose last segment starts earliest.
+    """The cheapest cuts for which every segment, with the cuts before it and the gradients
+    made so far, fits in `peak` (the last one in `last_peak`, if given), or None if no cuts
+    do; with `longest_last_segment`, the cheapest of those whose last segment starts earliest.
 
     State s stands for "a segment starts at op s", reached with cuts costing `spent[s]` before
-    it (state 0, the start of the pass, costs nothing). The segment from s through op i fits
-    while spent[s] + held[s..i] <= peak. As i grows a state only ever stops fitting, so states
-    leave a heap ordered by that condition once, and the cheapest fitting state comes from a
-    second heap: O(n log n).
+    it (state 0, the start of the pass, costs nothing). While backprop in the segment from s
+    through op i reaches op k, it holds spent[s] + held[s..k] + gradients[k]; the segment fits
+    while that is within `peak` for every k in s..i. As i grows a state only ever stops
+    fitting, so states leave a heap ordered by spent[s] - held[..s] once, and the cheapest
+    fitting state comes from a second heap: O(n log n).
     """
     n = len(held)
     if n == 0:
@@ -283,7 +321,7 @@ def _cuts_within(
     heapq.heappush(by_slack, (0.0, 0))
     heapq.heappush(by_cost, (0.0, 0))
     for i in range(n):
-        limit = peak - held_before[i + 1]
+        limit = peak - held_before[i + 1] - gradients[i]
         while by_slack and -by_slack[0][0] > limit:
             fits[heapq.heappop(by_slack)[1]] = False
         while by_cost and not fits[by_cost[0][1]]:
@@ -298,7 +336,8 @@ def _cuts_within(
         heapq.heappush(by_slack, (-(spent[i + 1] - held_before[i + 1]), i + 1))
         heapq.heappush(by_cost, (spent[i + 1], i + 1))
     if last_peak is not None:
-        fits &= spent + held_before[n] - held_before[:n] <= last_peak
+        reached = np.maximum.accumulate((held_before[1:] + gradients)[::-1])[::-1]
+        fits &= spent + reached - held_before[:n] <= last_peak
         if not fits.any():
             return None
         state = (

@@ -180,7 +180,7 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
 
     flat, flat_peak = planner.smallest_peak(order)
     least = Plan(view, planner.checkpoints_of(order, flat), name, plain)
-    target = budget * order.held.sum() / plain if plain else budget
+    target = budget * order.segment_peak() / plain if plain else budget
     if fits(least):
         if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
             return widest
@@ -213,7 +213,7 @@ def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) ->
     for ever smaller model peaks (bisected)."""
     flat, high = planner.smallest_peak(order)
     candidates = [Plan(view, planner.checkpoints_of(order, flat), name, plain)]
-    low = float(order.held.max(initial=0.0))
+    low = order.least_peak()
     for _ in range(12):
         middle = (low + high) / 2
         cuts = planner.within(order, middle)

@@ -54,7 +54,8 @@ class GradientTape(tf.GradientTape):
     Inside `tf.function` (compiled by XLA or not) only the checkpoints of the forward pass are
     kept; the rest is recomputed segment by segment during the backward pass. `checkpoints` is
     any value `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed',
-    'collection', a `MemoryBudget`, a list).
+    'collection', a `MemoryBudget`, a list); `gradients_held` is its argument of that name
+    (pass False where each gradient is applied as soon as it is made).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
     """
 
@@ -63,9 +64,11 @@ class GradientTape(tf.GradientTape):
         persistent: bool = False,
         watch_accessed_variables: bool = True,
         checkpoints: CheckpointsArg = "memory",
+        gradients_held: bool = True,
     ) -> None:
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
+        self.gradients_held = gradients_held
         self._persistent_tape = persistent
         self._spans: list[_Span] = []
         self._watched_tensors: list[tf.Tensor] = []
@@ -180,7 +183,8 @@ class GradientTape(tf.GradientTape):
                 stops = _unrecorded_between(connected, targets, tracked)
                 grads = gradients(
                     targets, connected, grad_ys, self.checkpoints,
-                    stop_gradients=stops, unconnected_gradients=unconnected,
+                    gradients_held=self.gradients_held, stop_gradients=stops,
+                    unconnected_gradients=unconnected,
                 )  # fmt: skip
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}
             zeros = unconnected == tf.UnconnectedGradients.ZERO

@@ -61,6 +61,9 @@ class ForwardView:
         read them as they were computed.
       given_grad_ys: whether backprop starts from given gradients of the ys rather than
         ones (which graph optimizers fold into constants).
+      gradients_held: whether the gradients of xs all live to the end of the step (they are
+        fetched or returned, or checked together before any is applied: loss scaling,
+        global-norm clipping), rather than each being applied, and freed, once complete.
     """
 
     ys: tuple[tf.Tensor, ...]
@@ -70,10 +73,15 @@ class ForwardView:
     must_keep: tuple[tf.Tensor, ...]
     reused: tuple[tf.Tensor, ...]
     given_grad_ys: bool = False
+    gradients_held: bool = True
 
     @classmethod
     def build(
-        cls, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], given_grad_ys: bool = False
+        cls,
+        ys: Sequence[tf.Tensor],
+        xs: Sequence[tf.Tensor],
+        given_grad_ys: bool = False,
+        gradients_held: bool = True,
     ) -> ForwardView:
         """Analyse the graph between `xs` and `ys` (tensors of one graph)."""
         reaching_ys = graph.backward_ops(y.op for y in ys)
@@ -110,6 +118,7 @@ class ForwardView:
             must_keep=tuple(must_keep.values()),
             reused=tuple(reused.values()),
             given_grad_ys=given_grad_ys,
+            gradients_held=gradients_held,
         )
 
     @cached_property

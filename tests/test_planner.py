@@ -15,13 +15,16 @@ from tests.helpers import assert_same_gradients
 tf1 = tf.compat.v1
 
 
-def peak_of(held, cut_bytes, cuts):
-    """Largest "cuts before + segment" over the segments that `cuts` make."""
+def peak_of(held, gradients, cut_bytes, cuts):
+    """The largest "cuts before + what the segment still holds + gradients made", as backprop
+    reaches each op of each segment that `cuts` make."""
     starts = [0, *(c + 1 for c in cuts)]
     ends = [*(c + 1 for c in cuts), len(held)]
     spent = np.concatenate([[0.0], np.cumsum(cut_bytes[list(cuts)])])
     return max(
-        spent[j] + held[a:b].sum() for j, (a, b) in enumerate(zip(starts, ends, strict=True))
+        spent[j] + held[a : k + 1].sum() + gradients[k]
+        for j, (a, b) in enumerate(zip(starts, ends, strict=True))
+        for k in range(a, b)
     )
 
 
@@ -30,31 +33,33 @@ def all_cut_sets(n):
 
 
 def random_costs(seed):
-    """Random held bytes, cut costs and peak, and every cut set meeting that peak."""
+    """Random held bytes, gradients held (for half the seeds; growing towards the start, as
+    backprop makes more of them), cut costs and peak, and every cut set meeting that peak."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 9))
     held = rng.integers(0, 6, n).astype(float)
+    gradients = np.cumsum(rng.integers(0, 3, n)[::-1])[::-1].astype(float) * (seed % 2)
     cut_bytes = rng.integers(1, 4, n - 1).astype(float)
-    peak = float(rng.integers(held.max(), held.sum() + 1))
-    feasible = [c for c in all_cut_sets(n) if peak_of(held, cut_bytes, c) <= peak]
-    return held, cut_bytes, peak, feasible
+    peak = float(rng.integers((held + gradients).max(), (np.cumsum(held) + gradients).max() + 1))
+    feasible = [c for c in all_cut_sets(n) if peak_of(held, gradients, cut_bytes, c) <= peak]
+    return held, gradients, cut_bytes, peak, feasible
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_cuts_within_a_peak_match_brute_force(seed):
-    held, cut_bytes, peak, feasible = random_costs(seed)
-    cuts = planner._cuts_within(held, cut_bytes, peak)
+    held, gradients, cut_bytes, peak, feasible = random_costs(seed)
+    cuts = planner._cuts_within(held, gradients, cut_bytes, peak)
     if not feasible:
         assert cuts is None
         return
-    assert cuts is not None and peak_of(held, cut_bytes, cuts) <= peak
+    assert cuts is not None and peak_of(held, gradients, cut_bytes, cuts) <= peak
     assert cut_bytes[cuts].sum() == min(cut_bytes[list(c)].sum() for c in feasible)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_cuts_with_the_longest_last_segment_match_brute_force(seed):
-    held, cut_bytes, peak, feasible = random_costs(seed)
-    cuts = planner._cuts_within(held, cut_bytes, peak, longest_last_segment=True)
+    held, gradients, cut_bytes, peak, feasible = random_costs(seed)
+    cuts = planner._cuts_within(held, gradients, cut_bytes, peak, longest_last_segment=True)
     if not feasible:
         assert cuts is None
         return
@@ -63,7 +68,7 @@ def test_cuts_with_the_longest_last_segment_match_brute_force(seed):
         return c[-1] + 1 if c else 0
 
     earliest = min(last_start(c) for c in feasible)
-    assert cuts is not None and peak_of(held, cut_bytes, cuts) <= peak
+    assert cuts is not None and peak_of(held, gradients, cut_bytes, cuts) <= peak
     assert last_start(cuts) == earliest
     assert cut_bytes[cuts].sum() == min(
         cut_bytes[list(c)].sum() for c in feasible if last_start(c) == earliest
@@ -164,7 +169,7 @@ def dense_block(x, layers):
 
 def test_dense_skip_connections_still_get_a_plan_and_exact_gradients():
     with tf.Graph().as_default():
-        x = tf1.placeholder(tf.float32, [8, 16])
+        x = tf1.placeholder(tf.float32, [256, 16])  # activations outweigh weight gradients
         loss = tf.reduce_sum(tf.square(dense_block(x, layers=12)))
         weights = tf1.trainable_variables()
         plan = msg.plan(loss, weights, checkpoints="memory")
@@ -173,7 +178,7 @@ def test_dense_skip_connections_still_get_a_plan_and_exact_gradients():
         got = msg.gradients(loss, weights, checkpoints=plan)
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
-            values = session.run([reference, got], {x: np.ones((8, 16), np.float32)})
+            values = session.run([reference, got], {x: np.ones((256, 16), np.float32)})
     assert_same_gradients(*values)
 
 
@@ -181,7 +186,7 @@ def test_equal_cuts_prefer_tensors_backprop_would_not_hold():
     """A matmul output read only by a tanh dies once recomputation passes it; the tanh output
     would live on for the next matmul's gradient. Both cuts are one tensor."""
     with tf.Graph().as_default():
-        x = tf1.placeholder(tf.float32, [8, 32])
+        x = tf1.placeholder(tf.float32, [256, 32])  # activations outweigh weight gradients
         h = x
         for i in range(25):
             h = tf.tanh(tf.matmul(h, tf.Variable(tf.eye(32), name=f"w{i}")))
