@@ -62,9 +62,9 @@ def training_step(depth: int, batch: int, width: int, method: str):
             grads = tf.gradients(loss, weights)
         elif method == "every_sqrt":
             every_segment = activations[segment - 1 : -1 : segment]
-            grads = msg.gradients(loss, weights, checkpoints=every_segment, gradients_held=False)
+            grads = msg.gradients(loss, weights, checkpoints=every_segment)
         else:
-            grads = msg.gradients(loss, weights, checkpoints=method, gradients_held=False)
+            grads = msg.gradients(loss, weights, checkpoints=method)
         for w, g in zip(weights, grads, strict=True):
             w.assign_sub(0.01 * g)
         return loss

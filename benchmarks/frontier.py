@@ -43,9 +43,7 @@ def predicted_ratios(depth: int, shape: models.Shape, methods) -> dict[str, floa
         loss = model.loss(models.unwrapped)
         for method in methods:
             if method.checkpoints is not None:
-                plan = msg.plan(
-                    loss, list(model.variables), method.checkpoints, gradients_held=False
-                )
+                plan = msg.plan(loss, list(model.variables), checkpoints=method.checkpoints)
                 ratios[method.name] = plan.peak_bytes / plan.plain_peak_bytes
         return loss
 

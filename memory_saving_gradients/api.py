@@ -43,7 +43,7 @@ def gradients(
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
     checkpoints: CheckpointsArg = "collection",
     *,
-    gradients_held: bool = True,
+    gradients_held: bool = False,
     name: str = "gradients",
     colocate_gradients_with_ops: bool = True,
     gate_gradients: bool = False,
@@ -69,11 +69,12 @@ def gradients(
         plain backprop's, or a number of bytes; nested recomputation below one level's
         least), a `Plan` from `plan`, or a callable given the `ForwardView` that returns the
         tensors to keep (or a Plan).
-      gradients_held: whether the step keeps every gradient until the last one is made (a
+      gradients_held: whether the step keeps every gradient until the last one is made: a
         Session fetches them, a function returns them, loss scaling or global-norm clipping
-        checks them all before applying any), as plans assume by default; False where each
-        is applied as soon as it is made (an optimizer update in the same graph), so that
-        plans and budgets count on the memory that frees.
+        checks them all before an optimizer applies any. By default plans count on each
+        being applied, and freed, as soon as it is made (an optimizer update in the same
+        graph); pass True where they are held, so that predicted peaks and budgets count
+        them (`keras.enable` decides from the optimizer).
 
     Returns:
       One gradient per x: a Tensor, an IndexedSlices where `tf.gradients` gives one, or None
@@ -108,7 +109,7 @@ def compute_gradients(
     unconnected_gradients,
     *,
     refuse: bool,
-    gradients_held: bool = True,
+    gradients_held: bool = False,
 ) -> list[Gradient | None]:
     """`gradients`, with its `tf.gradients` options in a dict. Where the strategy finds no
     checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
@@ -167,7 +168,7 @@ def plan(
     checkpoints: CheckpointsArg = "memory",
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
     *,
-    gradients_held: bool = True,
+    gradients_held: bool = False,
 ) -> Plan:
     """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
     that is predicted to cost, without building any gradient: print it for a table, pass it

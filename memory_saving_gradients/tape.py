@@ -55,7 +55,8 @@ class GradientTape(tf.GradientTape):
     kept; the rest is recomputed segment by segment during the backward pass. `checkpoints` is
     any value `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed',
     'collection', a `MemoryBudget`, a list); `gradients_held` is its argument of that name
-    (pass False where each gradient is applied as soon as it is made).
+    (pass True where the step keeps every gradient until the last is made, e.g. to check
+    them all for overflow).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
     """
 
@@ -64,7 +65,7 @@ class GradientTape(tf.GradientTape):
         persistent: bool = False,
         watch_accessed_variables: bool = True,
         checkpoints: CheckpointsArg = "memory",
-        gradients_held: bool = True,
+        gradients_held: bool = False,
     ) -> None:
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints

@@ -73,7 +73,7 @@ class ForwardView:
     must_keep: tuple[tf.Tensor, ...]
     reused: tuple[tf.Tensor, ...]
     given_grad_ys: bool = False
-    gradients_held: bool = True
+    gradients_held: bool = False
 
     @classmethod
     def build(
@@ -81,7 +81,7 @@ class ForwardView:
         ys: Sequence[tf.Tensor],
         xs: Sequence[tf.Tensor],
         given_grad_ys: bool = False,
-        gradients_held: bool = True,
+        gradients_held: bool = False,
     ) -> ForwardView:
         """Analyse the graph between `xs` and `ys` (tensors of one graph)."""
         reaching_ys = graph.backward_ops(y.op for y in ys)

@@ -24,7 +24,7 @@ def plans(
     def trace() -> tf.Tensor:
         loss = model.loss(models.unwrapped)
         for checkpoints in choices:
-            plan = msg.plan(loss, model.variables, checkpoints, gradients_held=False)
+            plan = msg.plan(loss, model.variables, checkpoints=checkpoints)
             sections.append(f"== {checkpoints!r}: {_why(checkpoints)}\n{plan}")
         return loss
 

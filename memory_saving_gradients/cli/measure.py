@@ -222,10 +222,7 @@ def _train(model: models.Model, wrap: models.Wrap, checkpoints: object = None) -
     if checkpoints is None:
         gradients = tf.gradients(loss, model.variables)  # named gradients/: grappler's targets
     else:
-        # SGD below applies each gradient as soon as it is made.
-        gradients = msg.gradients(
-            loss, model.variables, checkpoints=checkpoints, gradients_held=False
-        )
+        gradients = msg.gradients(loss, model.variables, checkpoints=checkpoints)
     updates = [
         variable.assign_sub(LEARNING_RATE * tf.convert_to_tensor(gradient), read_value=False)
         for variable, gradient in zip(model.variables, gradients, strict=True)
