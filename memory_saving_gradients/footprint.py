@@ -233,7 +233,7 @@ class _Run:
 
     def _summed_gradient(self, tensor: tf.Tensor) -> _Buffer | None:
         """The gradient of `tensor`, its parts summed (into one of them where none is shared),
-        held for the caller. Gradients of xs stay alive to the end of the step."""
+        held for the caller. The parts of an x stay until its gradient is applied, if ever."""
         parts = self.parts.get(tensor.ref(), [])
         if not parts:
             return None

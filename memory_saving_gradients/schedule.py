@@ -122,12 +122,12 @@ def recomputed_repeatedly(
     level: dict[tf.Operation, int] = {}
     #: The highest level among the boundaries an op's segment walk would reach.
     behind: dict[tf.Operation, int] = {}
-    for op in view.ops:
+    for op in view.ops:  # in topological order but for TF1 loops' back edges, left out
         behind[op] = max(
             (
                 level[t.op] if t.ref() in boundaries else behind[t.op]
                 for t in op.inputs
-                if t.op in view.position
+                if t.op in behind
             ),
             default=-1,
         )
@@ -139,7 +139,7 @@ def recomputed_repeatedly(
         if op in boundary_ops:
             span[op] = (level[op], level[op])
             continue
-        readers = [span[r] for t in op.outputs for r in view.consumers(t)]
+        readers = [span[r] for t in op.outputs for r in view.consumers(t) if r in span]
         span[op] = (
             min((low for low, _ in readers), default=math.inf),
             max((high for _, high in readers), default=-math.inf),
