@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.keras import _gradients_held
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, recomputed_copies
 
@@ -262,3 +263,13 @@ def test_model_with_its_own_train_step_is_refused():
     model = OwnTrainStep(inputs, keras.layers.Dense(1)(inputs))
     with pytest.raises(TypeError, match=r"OwnTrainStep.*memory_saving_gradients\.GradientTape"):
         msg.keras.enable(model)
+
+
+def test_plans_count_gradients_as_the_optimizer_keeps_them():
+    """A plain update applies each gradient as it comes; loss scaling checks all of them and
+    global-norm clipping reads all of them first (per-tensor clipping does not)."""
+    assert not _gradients_held(keras.optimizers.SGD())
+    assert not _gradients_held(keras.optimizers.Adam(clipnorm=1.0))
+    assert _gradients_held(keras.optimizers.Adam(global_clipnorm=1.0))
+    assert _gradients_held(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    assert _gradients_held(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
