@@ -11,7 +11,8 @@ function's own temporaries (`OpCost.workspace`) live while it runs; the gradient
 tensor live until they are summed, when its producer is differentiated. Gradients of xs live
 to the end of the step where the view says they are held (fetched, returned, or checked all
 together before an optimizer applies any); otherwise each is summed and freed once the last
-op reading its x is differentiated, as an update in the same step consumes it. Gradients
+op reading its x is differentiated, as an update in the same step consumes it (making one
+temporary of its size, as SGD's learning rate times gradient). Gradients
 computed from the seed of the loss alone are folded into constants ahead of the step, as graph
 optimizers do.
 
@@ -227,6 +228,7 @@ class _Run:
         for t in {t.ref(): t for t in op.inputs if t.ref() in self.readers_left}.values():
             self.readers_left[t.ref()] -= 1
             if not self.readers_left[t.ref()] and (summed := self._summed_gradient(t)):
+                self.peak = max(self.peak, self.alive + summed.size)  # the update's temporary
                 self.release(summed)
                 if t.ref() in self.parts:
                     self.release(self.parts.pop(t.ref())[0])
