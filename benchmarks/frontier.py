@@ -9,7 +9,7 @@ interleaved steps), both as ratios to plain measured in the same run, with each 
 predicted ratio beside the measured one. It writes results/frontier.csv and results/frontier.png
 (time ratio against memory ratio, one point per method, budgets joined by a line).
 
-    python benchmarks/frontier.py --targets        # about 15 minutes on two CPU cores
+    python benchmarks/frontier.py --targets        # about 20 minutes on two CPU cores
     python benchmarks/frontier.py --depth 32 --batch 256 --width 512    # a quick look
 """
 
@@ -82,7 +82,9 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS))
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per method")
-    parser.add_argument("--builds", type=int, default=1, help="fresh builds per method")
+    parser.add_argument(
+        "--builds", type=int, default=2, help="fresh builds per method; the smallest peak counts"
+    )
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument(
         "--targets", action="store_true", help=f"exit 1 unless MemoryBudget({TARGET_BUDGET}) "

@@ -163,7 +163,8 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
     The planner's model counts what gradients read; its peak for a plan is below the
     simulated one. Where one level of cuts reaches the budget, the largest model peak whose
     plan fits is bisected between one level's least and the budget scaled to the model;
-    below, nested plans are tried for model peaks tightened until one fits.
+    below, nested plans are tried for model peaks tightened until one fits, and then the
+    plan with the smallest predicted peak, which may still fit.
     """
     order = planner.Order.of(view, view.costs)
     if budget >= plain or not len(order.ops):
@@ -200,6 +201,8 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
             return plan
         target *= 0.98 * budget / plan.peak_bytes
     smallest = _smallest(view, order, name, plain)
+    if fits(smallest):
+        return smallest
     logger.warning(
         "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
         "plain backprop's %.1f MiB); using the checkpoints that give it.",
