@@ -59,8 +59,10 @@ def tensor_bytes(tensor: tf.Tensor) -> int:
     return num_elements(tensor) * itemsize
 
 
+#: Ops whose output is the shape of their input: a constant where that shape is static.
+SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 #: Ops that read only the shape of a tensor, which does not keep it alive for backprop.
-SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
+SHAPE_READERS = SHAPE_OF | {"BroadcastGradientArgs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ class GradientStep:
       reads: ids of the tensors it reads (those made outside the function at run time: the
         output gradients and the forward tensors it captures; and earlier steps' outputs).
       aliases: its output is its first input's buffer (reshapes, identities).
-      folded: it reads only a shape that is static, so graph optimizers compute it ahead.
+      folded: it gives a shape that is static, so graph optimizers compute it ahead.
       reuses_input: its output may take over an input buffer nothing else needs.
     """
 
@@ -145,7 +147,8 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
                 sizes=tuple(0 if shape_read else tensor_bytes(t) for t in body_op.outputs),
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
                 aliases=body_op.type in ALIASING,
-                folded=shape_read and all(t.shape.is_fully_defined() for t in body_op.inputs),
+                folded=body_op.type in SHAPE_OF
+                and all(t.shape.is_fully_defined() for t in body_op.inputs),
                 reuses_input=body_op.type in REUSES_INPUT_BUFFER,
             )
         )

@@ -5,17 +5,27 @@ reverse, the way TensorFlow's executor runs a backward pass the gates order. An 
 are allocated while its inputs are still alive; then every buffer no tensor needs any more is
 freed. Tensors share buffers where TensorFlow's kernels share them: reshapes and identities
 alias their input, element-wise kernels write into an input buffer nothing else needs
-(`costs.REUSES_INPUT_BUFFER`), and gradients passed on unchanged (an Add's) alias. Backprop
-keeps what each gradient reads (`costs.OpCost`) until that gradient has run, and a gradient
-function's own temporaries (`OpCost.workspace`) live while it runs; the gradient parts of one
-tensor live until they are summed, when its producer is differentiated; gradients of xs live
-to the end of the step (an optimizer applies them all at once). Gradients computed from the
-seed of the loss alone are folded into constants ahead of the step, as graph optimizers do.
+(`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
+that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
+function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on
+unchanged (an Add's) aliases the arriving one, and a temporary lives until its last reader.
+The gradient parts of one tensor are summed once all have arrived (an AddN runs once its
+inputs exist); gradients of xs live to the end of the step (an optimizer applies them all at
+once). What a gradient computes from constants alone (the seed of the loss, static shapes)
+is folded ahead of the step, as graph optimizers do.
 
 With checkpoints, the forward pass keeps only the boundaries and what the last segment's
 gradients read; each step then recomputes its segments into new buffers (with nested
 checkpoints, keeping only those and recomputing the inner segments once more), differentiates
-them, and frees the boundaries no later step reads.
+them, and frees the boundaries no later step reads. A recomputed op whose outputs nothing
+reads is not run: the executor prunes it.
+
+What this leaves out, measured against TensorFlow (benchmarks/cost_model.py): the executor
+times ops to choose which of the ready ones wait, so it may run a gradient's ops that read
+only forward tensors before the gradient arrives, or leave a weight gradient queued, and hold
+their tensors meanwhile; and graph optimizers rewrite gradients (an attention's softmax
+gradient times its scale becomes a product with `softmax * scale`, computed as soon as the
+softmax is recomputed).
 
 Peaks count bytes above what is resident before the step: variables, constants, inputs.
 """
@@ -163,13 +173,15 @@ class _Run:
         `recomputed`, the ops of the levels copied from otherwise. What a gradient reads is
         released after the last gradient reading it: a copy's own outputs and `inherited`
         inputs, and what an op not recomputed here reads (held for that in `forward`); a
-        copy's other inputs are the step's to release."""
+        copy's other inputs are the step's to release. The gradient parts a tensor receives
+        from `ops` are summed once the last of them has arrived (one gradient call sums its
+        own parts), and all its parts once none is to come from anywhere."""
         level, recomputed = chain[0], set(recomputed)
         last_reader: dict[object, tf.Operation] = {}
         for op in ops:
             for t in _read_by_gradient(op, self.cost[op]):
                 last_reader.setdefault(t.ref(), op)
-        #: Parts each tensor is to receive in this call, and how many it had before it.
+        # The parts each tensor is to receive from `ops`, and how many it had before.
         pending: dict[object, int] = {}
         before: dict[object, int] = {}
         for op in ops:
