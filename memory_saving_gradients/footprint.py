@@ -263,6 +263,7 @@ class _Run:
                 value[seed] = buffer if buffer is not None else _Buffer(0, constant=True)
         for placeholder, kind, index in use.captured:
             tensor = (op.inputs if kind == "in" else op.outputs)[index]
+            # A resident tensor (a variable's value): never freed here, never written into.
             value[placeholder] = read.get(tensor.ref()) or _Buffer(0, holders=2)
         needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
         steps = [step for i, step in enumerate(use.steps) if i in needed]
