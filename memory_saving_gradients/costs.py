@@ -3,8 +3,8 @@
 Bytes come from static shapes and dtypes; a dimension unknown until run time (usually the
 batch) counts `UNKNOWN_DIM_SIZE`. Compute is counted in FLOPs for contractions (matmul,
 convolution, einsum) and in output elements for everything else. What an op's gradient reads,
-how it makes its input gradients and what it allocates meanwhile comes from TensorFlow's
-registered gradient function, built once aside for each kind of op (`_tf.gradient_aside`);
+and the ops it runs to make its input gradients, come from TensorFlow's registered gradient
+function, built once aside for each kind of op (`_tf.gradient_aside`);
 where that cannot be done (function calls, control flow, custom gradients) the gradient is
 taken to read every input and output and to make new input gradients.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -59,79 +59,58 @@ def tensor_bytes(tensor: tf.Tensor) -> int:
     return num_elements(tensor) * itemsize
 
 
+#: Ops whose output is the shape of their input: a constant where that shape is static.
+SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 #: Ops that read only the shape of a tensor, which does not keep it alive for backprop.
-SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
+SHAPE_READERS = SHAPE_OF | {"BroadcastGradientArgs"}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Step:
-    """One op of a gradient function built aside: what it makes and reads."""
+class GradientStep:
+    """One op of a gradient function built aside, as the executor runs it.
 
-    outputs: tuple[int, ...]  # ids of its output tensors
-    sizes: tuple[int, ...]  # bytes of each output (0 for aliases and folded values)
-    reads: tuple[int, ...]  # ids of the tensors it reads
-    reuses_input: bool  # whether its output may take over a dying input's buffer
+    Attributes:
+      outputs: ids of its output tensors.
+      sizes: bytes of each output.
+      reads: ids of the tensors it reads (those made outside the function at run time: the
+        output gradients and the forward tensors it captures; and earlier steps' outputs).
+      aliases: its output is its first input's buffer (reshapes, identities).
+      folded: it gives a shape that is static, so graph optimizers compute it ahead.
+      reuses_input: its output may take over an input buffer nothing else needs.
+    """
+
+    outputs: tuple[int, ...]
+    sizes: tuple[int, ...]
+    reads: tuple[int, ...]
+    aliases: bool
+    folded: bool
+    reuses_input: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class GradientUse:
-    """What an op's gradient function reads and makes, for each input gradient.
+    """What an op's registered gradient function reads and makes, step by step.
 
     Attributes:
       reads: for each input, the (inputs, outputs) of the op, by index, that computing that
         input's gradient reads beyond their shape; backprop holds them until it has run.
-      input_gradients: how each input's gradient is made: None (no gradient), "alias" (an
-        output's gradient passed on, no new buffer), or the type of the op making it.
-      needs: for each input, the ids of the function's steps its gradient needs.
-      steps: the function's ops computed at run time, in order (those computed from constants
-        and shapes alone are folded ahead of the step).
-      returned: ids of the tensors the function returns.
+      seeds: for each output of the op, the id of the placeholder standing for its gradient
+        (None for outputs that take none).
+      captured: (id, "in" or "out", index) of the placeholder standing for each of the op's
+        tensors the function reads.
+      needs: for each input, the indices of the steps its gradient needs.
+      steps: the function's ops computed at run time, in the order they were made (those
+        computed from constants alone are left out: graph optimizers fold them).
+      returned: for each input, the id of the tensor holding its gradient's values (None
+        where it has none).
     """
 
     reads: tuple[tuple[frozenset[int], frozenset[int]], ...]
-    input_gradients: tuple[str | None, ...]
+    seeds: tuple[int | None, ...]
+    captured: tuple[tuple[int, str, int], ...]
     needs: tuple[frozenset[int], ...]
-    steps: tuple[_Step, ...]
-    returned: frozenset[int]
-
-    def workspace(self, needed: Sequence[bool]) -> int:
-        """The most bytes the steps computing the `needed` input gradients hold at once, in
-        tensors other than the gradients they return.
-
-        The steps run in order, each tensor freed after its last reader; an element-wise step
-        writes into an input of at least its size that dies there, as TensorFlow's kernels
-        do. A returned gradient may be written into a temporary that way; the gradients
-        returned so far are left out of each step's count, since the caller counts them.
-        """
-        wanted = frozenset().union(
-            *(n for n, want in zip(self.needs, needed, strict=True) if want)
-        )
-        steps = [step for i, step in enumerate(self.steps) if i in wanted]
-        readers: dict[int, int] = {}
-        for step in steps:
-            for t in step.reads:
-                readers[t] = readers.get(t, 0) + 1
-        alive = peak = returned = 0
-        sizes: dict[int, int] = {}
-        for step in steps:
-            dying = [t for t in step.reads if readers[t] == 1 and t in sizes]
-            for t, size in zip(step.outputs, step.sizes, strict=True):
-                taken = next((d for d in dying if step.reuses_input and sizes[d] >= size), None)
-                if taken is not None:
-                    dying.remove(taken)
-                    alive -= sizes.pop(taken) - size
-                else:
-                    alive += size
-                if t in self.returned:
-                    returned += size
-                else:
-                    sizes[t] = size
-            peak = max(peak, alive - returned)
-            for t in step.reads:
-                readers[t] -= 1
-                if readers[t] == 0:
-                    alive -= sizes.pop(t, 0)
-        return peak
+    steps: tuple[GradientStep, ...]
+    returned: tuple[int | None, ...]
 
 
 _GRADIENT_USES: dict[tuple, GradientUse | None] = {}
@@ -160,19 +139,24 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
         if body_op.type == "Placeholder" or not any(id(t) in runtime for t in body_op.inputs):
             continue
         runtime.update(id(t) for t in body_op.outputs)
-        free = body_op.type in ALIASING or body_op.type in SHAPE_READERS
+        shape_read = body_op.type in SHAPE_READERS
         step_of[body_op] = len(steps)
         steps.append(
-            _Step(
-                tuple(id(t) for t in body_op.outputs),
-                tuple(0 if free else tensor_bytes(t) for t in body_op.outputs),
-                tuple(id(t) for t in body_op.inputs),
-                body_op.type in REUSES_INPUT_BUFFER,
+            GradientStep(
+                outputs=tuple(id(t) for t in body_op.outputs),
+                sizes=tuple(0 if shape_read else tensor_bytes(t) for t in body_op.outputs),
+                reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
+                aliases=body_op.type in ALIASING,
+                folded=body_op.type in SHAPE_OF
+                and all(t.shape.is_fully_defined() for t in body_op.inputs),
+                reuses_input=body_op.type in REUSES_INPUT_BUFFER,
             )
         )
-    placeholder_of = {id(inner): outer for outer, inner in _outer_and_inner(op, aside)}
-    seeds = {id(g) for g in aside.output_gradients if g is not None}
-    reads, kinds, needs = [], [], []
+    captured = tuple(
+        (id(inner), kind, index) for (kind, index), inner in _outer_and_inner(op, aside)
+    )
+    placeholder_of = {inner: (kind, index) for inner, kind, index in captured}
+    reads, needs, returned = [], [], []
     for gradient in aside.input_gradients:
         tensors = [] if gradient is None else tf.nest.flatten(gradient, expand_composites=True)
         ancestors = _ancestors([t.op for t in tensors], within=step_of)
@@ -186,14 +170,10 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
                 if outer is not None:
                     (read_inputs if outer[0] == "in" else read_outputs).add(outer[1])
         reads.append((frozenset(read_inputs), frozenset(read_outputs)))
-        kinds.append(_made_by(gradient, seeds))
-    returned = {
-        id(t)
-        for g in aside.input_gradients
-        if g is not None
-        for t in tf.nest.flatten(g, expand_composites=True)
-    }
-    return GradientUse(tuple(reads), tuple(kinds), tuple(needs), tuple(steps), frozenset(returned))
+        values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        returned.append(None if gradient is None else id(values))
+    seeds = tuple(None if g is None else id(g) for g in aside.output_gradients)
+    return GradientUse(tuple(reads), seeds, captured, tuple(needs), tuple(steps), tuple(returned))
 
 
 def _outer_and_inner(op: tf.Operation, aside: _tf.GradientAside):
@@ -214,16 +194,6 @@ def _ancestors(ops, within) -> set:
     return seen
 
 
-def _made_by(gradient, seeds: set[int]) -> str | None:
-    if gradient is None:
-        return None
-    made = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-    tensor = made
-    while id(tensor) not in seeds and tensor.op.type in ALIASING and tensor.op.inputs:
-        tensor = tensor.op.inputs[0]
-    return "alias" if id(tensor) in seeds else made.op.type
-
-
 @dataclasses.dataclass(frozen=True)
 class OpCost:
     """What one forward op costs.
@@ -231,8 +201,10 @@ class OpCost:
     Attributes:
       output_bytes: bytes each output allocates (0 for aliases and resident values).
       saved_inputs, saved_outputs: indices of the inputs and outputs its gradient reads.
-      input_gradients: how the gradient of each input is made (see `GradientUse`).
-      workspace: what the gradient allocates besides the gradients it returns.
+      needed: for each input, whether backprop computes its gradient.
+      gradient: what its registered gradient function reads and makes, step by step; None
+        where unknown (function calls, control flow, custom gradients): such a gradient is
+        taken to read every input and output and to make new input gradients.
       reuses_input: whether its output may take over an input buffer nothing else needs.
       flops: its compute.
     """
@@ -240,8 +212,8 @@ class OpCost:
     output_bytes: tuple[int, ...]
     saved_inputs: tuple[int, ...]
     saved_outputs: tuple[int, ...]
-    input_gradients: tuple[str | None, ...]
-    workspace: int
+    needed: tuple[bool, ...]
+    gradient: GradientUse | None
     reuses_input: bool
     flops: float
 
@@ -254,22 +226,16 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
     free = op.type in ALIASING or op.type in RESIDENT
     if use is None:
         saved_inputs, saved_outputs = range(len(op.inputs)), range(len(op.outputs))
-        kinds = tuple("new" if want else None for want in needed)
-        workspace = 0
     else:
         wanted = [r for r, want in zip(use.reads, needed, strict=True) if want]
         saved_inputs = sorted(set().union(*(r[0] for r in wanted)))
         saved_outputs = sorted(set().union(*(r[1] for r in wanted)))
-        kinds = tuple(
-            k if want else None for k, want in zip(use.input_gradients, needed, strict=True)
-        )
-        workspace = use.workspace(needed)
     return OpCost(
         output_bytes=tuple(0 if free else tensor_bytes(t) for t in op.outputs),
         saved_inputs=tuple(saved_inputs),
         saved_outputs=tuple(saved_outputs),
-        input_gradients=kinds,
-        workspace=workspace,
+        needed=tuple(needed),
+        gradient=use,
         reuses_input=op.type in REUSES_INPUT_BUFFER,
         flops=flops(op),
     )
