@@ -47,7 +47,7 @@ class Scale:
 TOY = Scale()
 #: The smallest sizes whose activations TensorFlow's allocator statistics count (it ignores
 #: tensors of 128 KiB or less) in float16 as well: for memory tests.
-SMALL = Scale(size=64, batch=4, length=128, dim=64, rows=4096, width=32)
+SMALL = Scale(size=96, batch=8, length=256, dim=64, rows=16384, width=32)
 
 
 @dataclasses.dataclass
@@ -115,8 +115,13 @@ class FusedBatchNorm(layers.Layer):
     before it and a ReLU after it, the pattern oneDNN's graph rewrites fuse."""
 
     def build(self, shape):
-        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones", name="gamma")
-        self.beta = self.add_weight(shape=(shape[-1],), initializer="zeros", name="beta")
+        # float32 under mixed precision too: the op takes a float32 scale and offset.
+        self.gamma = self.add_weight(
+            shape=(shape[-1],), initializer="ones", name="gamma", autocast=False
+        )
+        self.beta = self.add_weight(
+            shape=(shape[-1],), initializer="zeros", name="beta", autocast=False
+        )
 
     def call(self, x):
         y, _, _ = tf.compat.v1.nn.fused_batch_norm(
