@@ -13,6 +13,7 @@ from run to run). The checkpointed model is the same model after
     python benchmarks/keras_resnet.py --targets     # issue 3's workload: 9 minutes on 2 cores,
                                                     # mostly tracing 9 fresh models
     python benchmarks/keras_resnet.py --blocks 8 --memory-repeats 1    # a quick look
+    python benchmarks/keras_resnet.py --dtype mixed_float16    # Keras's mixed precision policy
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--size", type=int, default=32, help="image height and width")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--dtype", choices=["float32", "mixed_float16"], default="float32")
     parser.add_argument(
         "--checkpoints",
         nargs="+",
@@ -86,11 +88,12 @@ def main(argv=None) -> int:
         "--targets", action="store_true", help="exit 1 unless the first strategy meets the targets"
     )
     args = parser.parse_args(argv)
+    keras.mixed_precision.set_global_policy(args.dtype)  # mixed: compile loss-scales
     methods = {"plain": None, **{name: name for name in args.checkpoints}}
     print(
         f"Keras {keras.__version__} fit step, TensorFlow {tf.__version__}: residual CNN of "
         f"{args.blocks} blocks, {args.channels} channels, {args.size}x{args.size} images, "
-        f"batch {args.batch}, float32",
+        f"batch {args.batch}, {args.dtype}",
         flush=True,
     )
     peaks: dict[str, list[float]] = {name: [] for name in methods}

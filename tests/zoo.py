@@ -18,11 +18,36 @@ import tensorflow as tf
 layers = keras.layers
 Forward = Callable[..., tuple[tf.Tensor, list[tf.Tensor]]]
 
-#: Spatial size, batch and number of classes of every image model.
-SIZE, BATCH, CLASSES = 16, 2, 5
-#: Rows of the MLPs' batches: enough that activations, not weight gradients, make the peak
-#: (where they do not, 'balanced' rightly recomputes nothing).
-ROWS = 128
+#: Classes of every classifier.
+CLASSES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How large the zoo's models and batches are built.
+
+    Attributes:
+      size, batch: image side and batch of the image models.
+      length, dim: tokens per sequence and model width of the transformer (its batch is
+        `batch`).
+      rows, width: rows of the MLPs' batches and their width; enough rows that
+        activations, not weight gradients, make the peak (where they do not, 'balanced'
+        rightly recomputes nothing).
+    """
+
+    size: int = 16
+    batch: int = 2
+    length: int = 8
+    dim: int = 16
+    rows: int = 128
+    width: int = 32
+
+
+#: Toy sizes, for gradient parity (tests/test_zoo.py).
+TOY = Scale()
+#: The smallest sizes whose activations TensorFlow's allocator statistics count (it ignores
+#: tensors of 128 KiB or less) in float16 as well: for memory tests.
+SMALL = Scale(size=96, batch=8, length=256, dim=64, rows=16384, width=32)
 
 
 @dataclasses.dataclass
@@ -56,8 +81,9 @@ class ZooModel:
             variable.assign(value)
 
 
-def _images(seed: int, channels: int = 3, size: int = SIZE) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((BATCH, size, size, channels)).astype("f4")
+def _images(seed: int, scale: Scale) -> np.ndarray:
+    shape = (scale.batch, scale.size, scale.size, 3)
+    return np.random.default_rng(seed).standard_normal(shape).astype("f4")
 
 
 def _labels(*shape: int) -> np.ndarray:
@@ -69,6 +95,7 @@ def _classifier(model: keras.Model, x: np.ndarray, labels: np.ndarray, **kw) -> 
 
     def forward(images, targets):
         logits, *taps = model(images, training=True)
+        logits = tf.cast(logits, tf.float32)  # a float32 loss under mixed precision too
         loss = keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
         return tf.reduce_mean(loss), taps
 
@@ -88,8 +115,13 @@ class FusedBatchNorm(layers.Layer):
     before it and a ReLU after it, the pattern oneDNN's graph rewrites fuse."""
 
     def build(self, shape):
-        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones", name="gamma")
-        self.beta = self.add_weight(shape=(shape[-1],), initializer="zeros", name="beta")
+        # float32 under mixed precision too: the op takes a float32 scale and offset.
+        self.gamma = self.add_weight(
+            shape=(shape[-1],), initializer="ones", name="gamma", autocast=False
+        )
+        self.beta = self.add_weight(
+            shape=(shape[-1],), initializer="zeros", name="beta", autocast=False
+        )
 
     def call(self, x):
         y, _, _ = tf.compat.v1.nn.fused_batch_norm(
@@ -115,16 +147,16 @@ def _bottleneck(h, filters, strides=1):
     return layers.ReLU()(layers.Add()([shortcut, r]))
 
 
-def resnet() -> ZooModel:
+def resnet(scale: Scale = TOY) -> ZooModel:
     keras.utils.set_random_seed(10)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     h = _conv_bn(inputs, 8, 3)
     taps = [h]
     for filters, strides in [(4, 1), (4, 1), (8, 2)]:
         h = _bottleneck(h, filters, strides)
         taps.append(h)
     model = keras.Model(inputs, [_head(h), *taps])
-    return _classifier(model, _images(0), _labels(BATCH))
+    return _classifier(model, _images(0, scale), _labels(scale.batch))
 
 
 # (b) DenseNet-style dense blocks -----------------------------------------------------------
@@ -135,9 +167,9 @@ def _bn_relu_conv(h, filters, kernel):
     return layers.Conv2D(filters, kernel, padding="same", use_bias=False)(h)
 
 
-def densenet(growth: int = 4) -> ZooModel:
+def densenet(scale: Scale = TOY, growth: int = 4) -> ZooModel:
     keras.utils.set_random_seed(11)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     h = layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
     taps = []
     for block, count in enumerate([3, 2]):
@@ -149,7 +181,7 @@ def densenet(growth: int = 4) -> ZooModel:
             h = layers.AveragePooling2D(2)(_bn_relu_conv(h, h.shape[-1] // 2, 1))
     h = layers.ReLU()(layers.BatchNormalization()(h))
     model = keras.Model(inputs, [_head(h), *taps])
-    return _classifier(model, _images(1), _labels(BATCH))
+    return _classifier(model, _images(1, scale), _labels(scale.batch))
 
 
 # (c) MobileNetV2 inverted residuals ----------------------------------------------------------
@@ -164,9 +196,9 @@ def _inverted_residual(h, out, strides, expansion=4):
     return layers.Add()([h, r]) if strides == 1 and h.shape[-1] == out else r
 
 
-def mobilenet_v2() -> ZooModel:
+def mobilenet_v2(scale: Scale = TOY) -> ZooModel:
     keras.utils.set_random_seed(12)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     h = layers.Conv2D(8, 3, 2, padding="same", use_bias=False)(inputs)
     h = layers.ReLU(6.0)(layers.BatchNormalization()(h))
     taps = []
@@ -175,7 +207,7 @@ def mobilenet_v2() -> ZooModel:
         taps.append(h)
     h = layers.ReLU(6.0)(layers.BatchNormalization()(layers.Conv2D(24, 1, use_bias=False)(h)))
     model = keras.Model(inputs, [_head(h), *taps])
-    return _classifier(model, _images(2), _labels(BATCH))
+    return _classifier(model, _images(2, scale), _labels(scale.batch))
 
 
 # (d) Inception-style multi-branch blocks -----------------------------------------------------
@@ -193,15 +225,15 @@ def _inception(h, width):
     return layers.Concatenate()([one, three, five, pool])
 
 
-def inception() -> ZooModel:
+def inception(scale: Scale = TOY) -> ZooModel:
     keras.utils.set_random_seed(13)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     h = _conv_relu(inputs, 8, 3)
     first = _inception(h, 4)
     h = layers.MaxPooling2D(2)(first)
     second = _inception(h, 6)
     model = keras.Model(inputs, [_head(second), first, second])
-    return _classifier(model, _images(3), _labels(BATCH))
+    return _classifier(model, _images(3, scale), _labels(scale.batch))
 
 
 # (e) U-Net encoder-decoder -----------------------------------------------------------------
@@ -214,11 +246,11 @@ def _double_conv(h, filters):
     return h
 
 
-def unet() -> ZooModel:
+def unet(scale: Scale = TOY) -> ZooModel:
     """Two levels down, one up with Conv2DTranspose and one with UpSampling2D; a per-pixel
     loss over the classes."""
     keras.utils.set_random_seed(14)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     skip1 = _double_conv(inputs, 4)
     skip2 = _double_conv(layers.MaxPooling2D(2)(skip1), 8)
     bottom = _double_conv(layers.MaxPooling2D(2)(skip2), 16)
@@ -228,7 +260,7 @@ def unet() -> ZooModel:
     dec1 = _double_conv(layers.Concatenate()([skip1, up1]), 4)
     logits = layers.Conv2D(CLASSES, 1)(dec1)
     model = keras.Model(inputs, [logits, skip1, skip2, bottom, dec2])
-    return _classifier(model, _images(4), _labels(BATCH, SIZE, SIZE))
+    return _classifier(model, _images(4, scale), _labels(scale.batch, scale.size, scale.size))
 
 
 # (f) Transformer encoder with dropout --------------------------------------------------------
@@ -244,11 +276,12 @@ class AddPositions(layers.Layer):
         return x + self.table
 
 
-def transformer(blocks: int = 2, length: int = 8, dim: int = 16, vocab: int = 40) -> ZooModel:
+def transformer(scale: Scale = TOY, blocks: int = 2, vocab: int = 40) -> ZooModel:
     """Pre-norm encoder blocks with Keras dropout active (training=True). Keras draws masks
     with stateless random ops from a seed generator's state variable, which the step reads
     and advances: `state` holds it, so separate runs draw the same masks."""
     keras.utils.set_random_seed(15)
+    length, dim = scale.length, scale.dim
     tokens = keras.Input((length,), dtype="int32")
     h = AddPositions()(layers.Embedding(vocab, dim)(tokens))
     taps = []
@@ -261,8 +294,8 @@ def transformer(blocks: int = 2, length: int = 8, dim: int = 16, vocab: int = 40
         taps.append(h)
     pooled = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(h))
     model = keras.Model(tokens, [layers.Dense(CLASSES)(pooled), *taps])
-    ids = np.random.default_rng(5).integers(0, vocab, (BATCH, length)).astype("i4")
-    return _classifier(model, ids, _labels(BATCH))
+    ids = np.random.default_rng(5).integers(0, vocab, (scale.batch, length)).astype("i4")
+    return _classifier(model, ids, _labels(scale.batch))
 
 
 # (g) MLP: matmul + bias + relu, with unseeded dropout ----------------------------------------
@@ -297,30 +330,37 @@ class MLP(keras.Model):
         return self.out(x)
 
 
-def mlp() -> ZooModel:
+def mlp(scale: Scale = TOY) -> ZooModel:
     keras.utils.set_random_seed(16)
-    model = MLP()
-    x = np.random.default_rng(6).standard_normal((ROWS, 12)).astype("f4")
+    model = MLP(scale.width)
+    x = np.random.default_rng(6).standard_normal((scale.rows, 12)).astype("f4")
     model(x)
 
     def forward(inputs, targets):
-        logits = model(inputs, training=True)
+        logits = tf.cast(model(inputs, training=True), tf.float32)
         loss = keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
         return tf.reduce_mean(loss), list(model.taps)
 
-    return ZooModel(forward, (x, _labels(ROWS)), model.trainable_variables, model.variables, True)
+    labels = _labels(scale.rows)
+    return ZooModel(forward, (x, labels), model.trainable_variables, model.variables, True)
 
 
 # (h) Layers as nested tf.functions (a call op per layer) -------------------------------------
 
 
-def function_layers(depth: int = 6, width: int = 32) -> ZooModel:
+def function_layers(scale: Scale = TOY, depth: int = 6) -> ZooModel:
     """A residual MLP whose layers are `tf.function`s: the outer graph holds a call op per
     layer call. `dense_relu`, `block` (which calls `dense_relu` twice) and `rms_norm` are
     stateless, their weights passed in as tensors; `project` reads the variable it is given
     inside the function, so its call ops are stateful (kept, never recomputed). Each function
-    is called several times."""
+    is called several times. It computes in the Keras policy's compute dtype, as a user
+    would under mixed precision: float32 variables cast where read, a float32 loss."""
     rng = np.random.default_rng(7)
+    width = scale.width
+    compute = keras.mixed_precision.global_policy().compute_dtype
+
+    def read(variable):  # a tensor: a variable passed to a tf.function is read inside it
+        return tf.cast(tf.convert_to_tensor(variable), compute)
 
     def variable(*shape, scale=1.0):
         return tf.Variable((rng.standard_normal(shape) * scale).astype("f4"))
@@ -346,22 +386,21 @@ def function_layers(depth: int = 6, width: int = 32) -> ZooModel:
 
     @tf.function
     def project(h, w):
-        return tf.matmul(h, w)
+        return tf.matmul(h, read(w))
 
     def forward(x, targets):
-        h = project(x, w_in)
+        h = project(tf.cast(x, compute), w_in)
         taps = []
         for w1, w2, b, gamma in zip(w1s, w2s, bs, gammas, strict=True):
-            tensors = map(tf.convert_to_tensor, (w1, w2, b))
-            h = rms_norm(block(h, *tensors), tf.convert_to_tensor(gamma))
+            h = rms_norm(block(h, read(w1), read(w2), read(b)), read(gamma))
             taps.append(h)
-        logits = project(h, w_out)
+        logits = tf.cast(project(h, w_out), tf.float32)
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
         return tf.reduce_mean(loss), taps
 
     variables = [w_in, *w1s, *w2s, *bs, *gammas, w_out]
-    x = rng.standard_normal((ROWS, 12)).astype("f4")
-    return ZooModel(forward, (x, _labels(ROWS)), variables, variables)
+    x = rng.standard_normal((scale.rows, 12)).astype("f4")
+    return ZooModel(forward, (x, _labels(scale.rows)), variables, variables)
 
 
 # (i) tf.custom_gradient inside a Keras layer ---------------------------------------------------
@@ -385,9 +424,9 @@ class Swish(layers.Layer):
         return _swish(x)
 
 
-def custom_gradient_cnn() -> ZooModel:
+def custom_gradient_cnn(scale: Scale = TOY) -> ZooModel:
     keras.utils.set_random_seed(17)
-    inputs = keras.Input((SIZE, SIZE, 3))
+    inputs = keras.Input((scale.size, scale.size, 3))
     h, taps = inputs, []
     for filters in [8, 8, 12]:
         r = layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
@@ -395,10 +434,10 @@ def custom_gradient_cnn() -> ZooModel:
         h = layers.Add()([h, r]) if h.shape[-1] == filters else r
         taps.append(h)
     model = keras.Model(inputs, [_head(h), *taps])
-    return _classifier(model, _images(8), _labels(BATCH))
+    return _classifier(model, _images(8, scale), _labels(scale.batch))
 
 
-ALL: dict[str, Callable[[], ZooModel]] = {
+ALL: dict[str, Callable[..., ZooModel]] = {
     "resnet": resnet,
     "densenet": densenet,
     "mobilenet_v2": mobilenet_v2,
