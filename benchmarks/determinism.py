@@ -15,9 +15,12 @@ from a large free block rather than served from whatever regions earlier models 
 `--dtype mixed_float16` runs every model twice, in float32 and under Keras's mixed_float16
 policy, and compares 'memory''s worst peak over plain's in the two.
 
-    python benchmarks/determinism.py --targets             # about 8 minutes on 2 cores
-    python benchmarks/determinism.py --dtype mixed_float16 --targets
+    python benchmarks/determinism.py --targets             # about 6 minutes on 2 cores
+    python benchmarks/determinism.py --dtype mixed_float16 --targets      # about 12 minutes
     python benchmarks/determinism.py --models unet inception --size 192 --batch 8
+
+benchmarks/peak_trace.py shows, for one model and configuration, what is alive at each
+step's peak: whether two peaks differ by the executor's order or by the allocator's rounding.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ def report_model(name: str, dtype: str, found: dict, checks: dict) -> dict[str, 
     print(f"\n{name} ({dtype}; plain step {found['plain']['step_s'] * 1000:.0f} ms)")
     print(
         f"{'':>20}{'best MiB':>10}{'worst MiB':>10}{'worst/best':>11}{'worst/plain':>12}"
-        f"{'time/plain':>11}{'predicted MiB':>15}"
+        f"{'time/plain':>11}{'predicted MiB':>19}"
     )
     for config, row in rows.items():
         predicted = "" if row.predicted is None else f"{row.predicted:.1f}"
@@ -163,7 +166,7 @@ def report_model(name: str, dtype: str, found: dict, checks: dict) -> dict[str, 
             predicted += f" ({found[config]['levels']} levels)"
         print(
             f"{config:>20}{row.best:>10.1f}{row.worst:>10.1f}{row.spread:>11.2f}"
-            f"{row.worst / plain.worst:>12.2f}{row.time_ratio:>10.2f}x{predicted:>15}"
+            f"{row.worst / plain.worst:>12.2f}{row.time_ratio:>10.2f}x{predicted:>19}"
         )
     least = min(rows, key=lambda config: rows[config].worst)
     memory = rows["'memory'"]
