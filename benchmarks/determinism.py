@@ -83,10 +83,11 @@ def gradient_step(model: zoo.ZooModel, checkpoints, plan: dict):
         if checkpoints is None:
             grads = tf.gradients(loss, model.trainable)
         else:
-            chosen = msg.plan(loss, model.trainable, checkpoints=checkpoints)
+            # The step returns the gradients: they are held to its end.
+            chosen = msg.plan(loss, model.trainable, checkpoints, gradients_held=True)
             plan.update(predicted=chosen.peak_bytes / MiB, levels=len(chosen.levels))
             plan.update(plain_predicted=chosen.plain_peak_bytes / MiB)
-            grads = msg.gradients(loss, model.trainable, checkpoints=chosen)
+            grads = msg.gradients(loss, model.trainable, checkpoints=chosen, gradients_held=True)
         return tf.nest.flatten(grads, expand_composites=True)
 
     return lambda: [t.numpy() for t in step(*model.inputs)]

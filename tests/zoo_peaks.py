@@ -37,7 +37,8 @@ def step_peak_mib(model: zoo.ZooModel, checkpoints) -> float:
     @tf.function
     def step(*inputs):
         loss, _ = model.forward(*inputs)
-        grads = msg.gradients(loss, model.trainable, checkpoints=checkpoints)
+        # The step returns the gradients: they are held to its end.
+        grads = msg.gradients(loss, model.trainable, checkpoints=checkpoints, gradients_held=True)
         return tf.nest.flatten(grads, expand_composites=True)
 
     return peak_memory(lambda: [t.numpy() for t in step(*model.inputs)]) / MIB
