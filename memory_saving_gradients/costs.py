@@ -135,6 +135,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
     runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
     runtime.update(id(inner) for inner in aside.read.values())
     steps, step_of = [], {}
+    size_of: dict[int, int] = {}  # bytes of the runtime tensors whose shapes tracing left open
     for body_op in ops:
         if body_op.type == "Placeholder" or not any(id(t) in runtime for t in body_op.inputs):
             continue
@@ -144,7 +145,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
         steps.append(
             GradientStep(
                 outputs=tuple(id(t) for t in body_op.outputs),
-                sizes=tuple(0 if shape_read else tensor_bytes(t) for t in body_op.outputs),
+                sizes=tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs),
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
                 aliases=body_op.type in ALIASING,
                 folded=body_op.type in SHAPE_OF
@@ -174,6 +175,24 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
         returned.append(None if gradient is None else id(values))
     seeds = tuple(None if g is None else id(g) for g in aside.output_gradients)
     return GradientUse(tuple(reads), seeds, captured, tuple(needs), tuple(steps), tuple(returned))
+
+
+def _step_bytes(tensor: tf.Tensor, size_of: dict[int, int]) -> int:
+    """Bytes a gradient step's output takes. Where tracing left its shape open (a transpose by
+    a computed permutation), it is taken to be as large as the largest runtime tensor the step
+    reads, as a gradient's steps move, reshape and combine what they read: counting each open
+    dimension as `UNKNOWN_DIM_SIZE` made a 4-d transpose 64**4 elements. `size_of` keeps the
+    bytes found for open shapes, for the steps that read them."""
+    if tensor.shape.is_fully_defined():
+        return tensor_bytes(tensor)
+    read = [
+        size_of.get(id(t), tensor_bytes(t)) // max(t.dtype.size, 1)
+        for t in tensor.op.inputs
+        if id(t) in size_of or (t.shape.is_fully_defined() and t.dtype.is_floating)
+    ]
+    size = max(read) * tensor.dtype.size if read else tensor_bytes(tensor)
+    size_of[id(tensor)] = size
+    return size
 
 
 def _outer_and_inner(op: tf.Operation, aside: _tf.GradientAside):
