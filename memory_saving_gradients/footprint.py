@@ -85,7 +85,7 @@ class _Run:
         self.readers_left: dict[object, int] = (
             {}
             if view.gradients_held
-            else {t.ref(): len(set(view.consumers(t))) for t in _gradients_of_xs(view)}
+            else {t.ref(): len(set(view.consumers(t))) for t in view.gradients_of_xs}
         )
         #: (op, "forward" or "backward", copy level, bytes alive after it), in order.
         self.timeline: list[tuple[tf.Operation, str, int, int]] = []
@@ -380,22 +380,6 @@ def _run_by_executor(ops: Sequence[tf.Operation], uses: dict[object, int]) -> li
             run.append(op)
             wanted.update(t.ref() for t in op.inputs)
     return run[::-1]
-
-
-def _gradients_of_xs(view: ForwardView) -> list[tf.Tensor]:
-    """The tensors whose gradients are those of xs: the xs, and what the ops reading an x
-    without being recomputed (variable reads) make of it."""
-    return [
-        *view.xs,
-        *(
-            out
-            for x in view.xs
-            for op in set(view.consumers(x))
-            if op not in view.recomputable
-            for out in op.outputs
-            if out.dtype.is_floating
-        ),
-    ]
 
 
 def _read_by_gradient(op: tf.Operation, cost: costs.OpCost) -> list[tf.Tensor]:

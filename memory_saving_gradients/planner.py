@@ -259,21 +259,14 @@ def _flat(positions: Sequence[int], start: int) -> Cuts:
 
 
 def _held_gradients(view: ForwardView, position: dict[tf.Operation, int]) -> np.ndarray:
-    """`Order.gradients` for gradients held to the end of the step. An x's gradient exists
-    once backprop reaches the last op that reads it, directly or through an op that is not
-    recomputed (a variable read, whose output is what the gradient is the size of)."""
+    """`Order.gradients` for gradients held to the end of the step. The gradient of each of
+    `view.gradients_of_xs` exists once backprop reaches the last recomputable op reading it
+    (the end of the pass where none does)."""
     gradients = np.zeros(len(position))
-    for x in view.xs:
-        readers, read = [], []
-        for op in set(view.consumers(x)):
-            if op in position:
-                readers.append(position[op])
-                continue
-            for out in op.outputs:
-                readers += [position[r] for r in view.consumers(out) if r in position]
-                read += [out] if out.dtype.is_floating else []
-        size = costs.tensor_bytes(x) if x.dtype.is_floating else sum(map(costs.tensor_bytes, read))
-        gradients[: max(readers, default=len(position) - 1) + 1] += size
+    for tensor in view.gradients_of_xs:
+        if tensor.dtype.is_floating:
+            readers = [position[op] for op in view.consumers(tensor) if op in position]
+            gradients[: max(readers, default=len(position) - 1) + 1] += costs.tensor_bytes(tensor)
     return gradients
 
 

@@ -133,6 +133,23 @@ class ForwardView:
         return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
 
     @cached_property
+    def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
+        """The tensors whose gradients are those of xs: the xs, and the floating-point outputs
+        of ops that read an x without being recomputed (variable reads), whose gradients pass
+        on to it unchanged."""
+        return (
+            *self.xs,
+            *(
+                out
+                for x in self.xs
+                for op in dict.fromkeys(self.consumers(x))
+                if op not in self.recomputable
+                for out in op.outputs
+                if out.dtype.is_floating
+            ),
+        )
+
+    @cached_property
     def _x_refs(self) -> frozenset:
         return frozenset(x.ref() for x in self.xs)
 
