@@ -36,7 +36,6 @@ Peaks count bytes above what is resident before the step: variables, constants, 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
@@ -60,39 +59,49 @@ class _Buffer:
 class _Run:
     """Buffers alive during one simulated step, and the largest total seen.
 
-    A tensor is known by its ref and copy level: recomputed copies get levels of their own,
-    and look up what they read at their level first, then at the levels they were copied
-    from (`chain`, innermost first).
+    Tensors and ops are known by their ids in the view's `Numbering` (ops by position); a
+    tensor's buffer also by its copy level: recomputed copies get levels of their own, and
+    look up what they read at their level first, then at the levels they were copied from
+    (`chain`, innermost first).
     """
 
     def __init__(self, view: ForwardView) -> None:
         self.view = view
-        self.xs = {x.ref() for x in view.xs}
-        self.cost = view.costs
+        self.ids = view.numbering
+        #: The cost of each op, by position.
+        self.cost = [view.costs[op] for op in view.ops]
+        #: What each op's gradient reads, by position.
+        self.read = [
+            _read_by_gradient(inputs, outputs, cost)
+            for inputs, outputs, cost in zip(
+                self.ids.inputs, self.ids.outputs, self.cost, strict=True
+            )
+        ]
+        self.aliasing = [op.type in costs.ALIASING for op in view.ops]
         self.alive = 0
         self.peak = 0
-        self.buffers: dict[tuple, _Buffer | None] = {}
-        #: Gradient parts received for each tensor (by ref), not summed yet.
-        self.parts: dict[object, list[_Buffer]] = {}
-        #: Parts each tensor (by ref) is still to receive: one from each op reading it.
-        self.expected: dict[object, int] = {}
-        for op in view.ops:
-            for t, needed in zip(op.inputs, self.cost[op].needed, strict=True):
-                if needed and (t.op in self.cost or t.ref() in self.xs):
-                    self.expected[t.ref()] = self.expected.get(t.ref(), 0) + 1
+        #: The buffer of each tensor at each copy level, by level.
+        self.buffers: list[dict[int, _Buffer | None]] = [{}]
+        #: Gradient parts received for each tensor, not summed yet.
+        self.parts: dict[int, list[_Buffer]] = {}
+        #: Parts each tensor is still to receive: one from each op reading it.
+        self.expected = [0] * len(self.ids.tensors)
+        gets_gradient = self.ids.receives_gradient
+        for inputs, cost in zip(self.ids.inputs, self.cost, strict=True):
+            for t, needed in zip(inputs, cost.needed, strict=True):
+                if needed and gets_gradient[t]:
+                    self.expected[t] += 1
         #: Where gradients are applied as they complete: the readers not differentiated yet
         #: of each tensor whose gradient is an x's.
-        self.readers_left: dict[object, int] = (
+        self.readers_left: dict[int, int] = (
             {}
             if view.gradients_held
-            else {t.ref(): len(set(view.consumers(t))) for t in view.gradients_of_xs}
+            else {self.ids.ids[t.ref()]: len(set(view.consumers(t))) for t in view.gradients_of_xs}
         )
-        #: (op, "forward" or "backward", copy level, bytes alive after it), in order.
-        self.timeline: list[tuple[tf.Operation, str, int, int]] = []
-        self._levels = itertools.count(ORIGINAL + 1)
 
     def new_level(self) -> int:
-        return next(self._levels)
+        self.buffers.append({})
+        return len(self.buffers) - 1
 
     def new(self, size: int) -> _Buffer:
         self.alive += size
@@ -110,59 +119,69 @@ class _Run:
             if buffer.holders == 0:
                 self.alive -= buffer.size
 
-    def buffer(self, tensor: tf.Tensor, chain: Sequence[int]) -> _Buffer | None:
+    def buffer(self, tensor: int, chain: Sequence[int]) -> _Buffer | None:
         for level in chain:
-            if (tensor.ref(), level) in self.buffers:
-                return self.buffers[(tensor.ref(), level)]
+            at_level = self.buffers[level]
+            if tensor in at_level:
+                return at_level[tensor]
         return None
+
+    def positions(self, ops: Iterable[tf.Operation]) -> list[int]:
+        """The positions of those of `ops` that are the view's, in topological order."""
+        position = self.view.position
+        return sorted(position[op] for op in ops if op in position)
+
+    def tensor_ids(self, tensors: Iterable[tf.Tensor]) -> list[int]:
+        return [self.ids.ids[t.ref()] for t in tensors]
 
     def forward(
         self,
-        ops: Sequence[tf.Operation],
+        ops: Sequence[int],
         chain: Sequence[int],
-        uses: dict[object, int],
-        inherited: frozenset = frozenset(),
+        uses: dict[int, int],
+        inherited: frozenset[int] = frozenset(),
     ) -> None:
         """Run `ops` in order as copies at level `chain[0]`, those an executor runs: whose
         outputs are used later (`uses`) or read by ops that run. An output lives until its
-        last reader among `ops` has run, and then for as many later uses as `uses` gives its
-        ref: each later use releases it once. Tensors `inherited` (refs) from the levels
-        copied from are released the same way: the step gets their last hold."""
-        level = chain[0]
-        ops = _run_by_executor(ops, uses)
-        made = {t.ref() for op in ops for t in op.outputs}
+        last reader among `ops` has run, and then for as many later uses as `uses` gives
+        it: each later use releases it once. Tensors `inherited` from the levels copied
+        from are released the same way: the step gets their last hold."""
+        at_level = self.buffers[chain[0]]
+        all_inputs, all_outputs = self.ids.inputs, self.ids.outputs
+        ops = self._run_by_executor(ops, uses)
+        made = {t for op in ops for t in all_outputs[op]}
         owned = made | inherited
-        readers: dict[object, int] = {}
+        readers: dict[int, int] = {}
         for op in ops:
-            for t in op.inputs:
-                if t.ref() in owned:
-                    readers[t.ref()] = readers.get(t.ref(), 0) + 1
+            for t in all_inputs[op]:
+                if t in owned:
+                    readers[t] = readers.get(t, 0) + 1
         for op in ops:
-            cost = self.cost[op]
+            cost, inputs = self.cost[op], all_inputs[op]
             dying = [
                 self.buffer(t, chain)
-                for t in op.inputs
-                if t.ref() in owned and readers[t.ref()] == 1 and not uses.get(t.ref())
+                for t in inputs
+                if t in owned and readers[t] == 1 and not uses.get(t)
             ]
-            for index, t in enumerate(op.outputs):
+            for index, t in enumerate(all_outputs[op]):
                 buffer = self._output_buffer(op, index, cost, dying, chain)
-                for _ in range(uses.get(t.ref(), 0)):
-                    self.hold(buffer)
-                self.buffers[(t.ref(), level)] = buffer
-            for t in op.inputs:
-                if t.ref() in owned:
-                    readers[t.ref()] -= 1
-                    if readers[t.ref()] == 0 and (t.ref() in made or not uses.get(t.ref())):
+                if buffer is not None:
+                    buffer.holders += uses.get(t, 0)
+                at_level[t] = buffer
+            for t in inputs:
+                if t in owned:
+                    readers[t] -= 1
+                    if readers[t] == 0 and (t in made or not uses.get(t)):
                         self.release(self.buffer(t, chain))
-            for t in op.outputs:
-                if t.ref() not in readers:
-                    self.release(self.buffers[(t.ref(), level)])
-            self.timeline.append((op, "forward", level, self.alive))
+            for t in all_outputs[op]:
+                if t not in readers:
+                    self.release(at_level[t])
 
     def _output_buffer(self, op, index, cost, dying, chain) -> _Buffer | None:
         size = cost.output_bytes[index]
-        if op.type in costs.ALIASING and op.inputs:
-            return self.hold(self.buffer(op.inputs[0], chain))
+        inputs = self.ids.inputs[op]
+        if self.aliasing[op] and inputs:
+            return self.hold(self.buffer(inputs[0], chain))
         if size == 0:
             return None
         if index == 0 and cost.reuses_input:
@@ -174,10 +193,10 @@ class _Run:
 
     def differentiate(
         self,
-        ops: Sequence[tf.Operation],
+        ops: Sequence[int],
         chain: Sequence[int],
-        recomputed: Iterable[tf.Operation] = (),
-        inherited: frozenset = frozenset(),
+        recomputed: Iterable[int] = (),
+        inherited: frozenset[int] = frozenset(),
     ) -> None:
         """Differentiate `ops` from last to first: the copies at level `chain[0]` of those
         `recomputed`, the ops of the levels copied from otherwise. What a gradient reads is
@@ -186,71 +205,68 @@ class _Run:
         copy's other inputs are the step's to release. The gradient parts a tensor receives
         from `ops` are summed once the last of them has arrived (one gradient call sums its
         own parts), and all its parts once none is to come from anywhere."""
-        level, recomputed = chain[0], set(recomputed)
-        last_reader: dict[object, tf.Operation] = {}
+        at_level, outer, recomputed = self.buffers[chain[0]], chain[1:], set(recomputed)
+        last_reader: dict[int, int] = {}
         for op in ops:
-            for t in _read_by_gradient(op, self.cost[op]):
-                last_reader.setdefault(t.ref(), op)
+            for t in self.read[op]:
+                last_reader.setdefault(t, op)
         # The parts each tensor is to receive from `ops`, and how many it had before.
-        pending: dict[object, int] = {}
-        before: dict[object, int] = {}
+        pending: dict[int, int] = {}
+        before: dict[int, int] = {}
         for op in ops:
-            for t, needed in zip(op.inputs, self.cost[op].needed, strict=True):
+            for t, needed in zip(self.ids.inputs[op], self.cost[op].needed, strict=True):
                 if needed:
-                    pending[t.ref()] = pending.get(t.ref(), 0) + 1
-                    before.setdefault(t.ref(), len(self.parts.get(t.ref(), ())))
+                    pending[t] = pending.get(t, 0) + 1
+                    before.setdefault(t, len(self.parts.get(t, ())))
         for op in reversed(ops):
             copy = op in recomputed
-            read: dict[object, _Buffer | None] = {}
+            read: dict[int, _Buffer | None] = {}
             done = []
-            for t in _read_by_gradient(op, self.cost[op]):
-                at_level = copy and (t.ref(), level) in self.buffers
-                buffer = self.buffer(t, chain if at_level or not copy else chain[1:])
-                read[t.ref()] = buffer
-                released_here = at_level or not copy or t.ref() in inherited
-                if last_reader.get(t.ref()) is op and released_here and buffer is not None:
+            for t in self.read[op]:
+                here = copy and t in at_level
+                buffer = self.buffer(t, chain if here or not copy else outer)
+                read[t] = buffer
+                released_here = here or not copy or t in inherited
+                if last_reader[t] == op and released_here and buffer is not None:
                     done.append(buffer)
             received = self._differentiate_op(op, read, done)
             for buffer in done:
                 self.release(buffer)
             for t in received:
-                pending[t.ref()] -= 1
-                self.expected[t.ref()] = self.expected.get(t.ref(), 0) - 1
-                parts = self.parts[t.ref()]
-                if self.expected[t.ref()] <= 0:
+                pending[t] -= 1
+                self.expected[t] -= 1
+                parts = self.parts[t]
+                if self.expected[t] <= 0:
                     parts[:] = [self._sum(parts)]
-                elif pending[t.ref()] == 0 and len(parts) > before[t.ref()] + 1:
-                    parts[before[t.ref()] :] = [self._sum(parts[before[t.ref()] :])]
+                elif pending[t] == 0 and len(parts) > before[t] + 1:
+                    parts[before[t] :] = [self._sum(parts[before[t] :])]
             self._apply_completed_gradients(op)
-            self.timeline.append((op, "backward", level, self.alive))
 
     def _differentiate_op(
-        self, op: tf.Operation, read: dict[object, _Buffer | None], dying: list[_Buffer]
-    ) -> list[tf.Tensor]:
+        self, op: int, read: dict[int, _Buffer | None], dying: list[_Buffer]
+    ) -> list[int]:
         """Make the gradients of `op`'s inputs from those of its outputs, running its gradient
-        function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`, by
-        ref); an element-wise op may write into a buffer nothing else needs: a temporary it
-        reads for the last time, the arriving gradient, or one of `dying` (what backprop
-        reads for the last time here). Returns the inputs that received a gradient part."""
-        incoming = [self._summed_gradient(t) for t in op.outputs]
+        function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`); an
+        element-wise op may write into a buffer nothing else needs: a temporary it reads for
+        the last time, the arriving gradient, or one of `dying` (what backprop reads for the
+        last time here). Returns the inputs that received a gradient part."""
+        incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
         if all(b is None for b in incoming):
             return []
-        cost = self.cost[op]
-        wanted = [
-            want and (t.op in self.cost or t.ref() in self.xs)
-            for t, want in zip(op.inputs, cost.needed, strict=True)
-        ]
+        cost, inputs = self.cost[op], self.ids.inputs[op]
+        gets_gradient = self.ids.receives_gradient
+        wanted = [want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)]
         if cost.gradient is None:
             made = [
-                self.new(costs.tensor_bytes(t)) if want else None
-                for t, want in zip(op.inputs, wanted, strict=True)
+                self.new(costs.tensor_bytes(self.ids.tensors[t])) if want else None
+                for t, want in zip(inputs, wanted, strict=True)
             ]
         else:
             made = self._run_gradient(op, cost.gradient, wanted, incoming, read, dying)
         received = []
-        for t, buffer in zip(op.inputs, made, strict=True):
+        for t, buffer in zip(inputs, made, strict=True):
             if buffer is not None:
-                self.parts.setdefault(t.ref(), []).append(buffer)
+                self.parts.setdefault(t, []).append(buffer)
                 received.append(t)
         for buffer in incoming:
             self.release(buffer)
@@ -258,11 +274,11 @@ class _Run:
 
     def _run_gradient(
         self,
-        op: tf.Operation,
+        op: int,
         use: costs.GradientUse,
         wanted: Sequence[bool],
         incoming: Sequence[_Buffer | None],
-        read: dict[object, _Buffer | None],
+        read: dict[int, _Buffer | None],
         dying: list[_Buffer],
     ) -> list[_Buffer | None]:
         """Run the steps of `use` that the `wanted` input gradients need; return a held
@@ -273,9 +289,9 @@ class _Run:
             if seed is not None:  # an output without gradient gets zeros, folded
                 value[seed] = buffer if buffer is not None else _Buffer(0, constant=True)
         for placeholder, kind, index in use.captured:
-            tensor = (op.inputs if kind == "in" else op.outputs)[index]
+            tensor = (self.ids.inputs if kind == "in" else self.ids.outputs)[op][index]
             # A resident tensor (a variable's value): never freed here, never written into.
-            value[placeholder] = read.get(tensor.ref()) or _Buffer(0, holders=2)
+            value[placeholder] = read.get(tensor) or _Buffer(0, holders=2)
         needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
         steps = [step for i, step in enumerate(use.steps) if i in needed]
         readers: dict[int, int] = {}
@@ -326,29 +342,29 @@ class _Run:
             self.release(value[t])
         return gradients
 
-    def _apply_completed_gradients(self, op: tf.Operation) -> None:
+    def _apply_completed_gradients(self, op: int) -> None:
         """Free the gradient of each x that `op` was the last reader of, once summed: an
         update applies it (where gradients are not held to the end of the step). A variable
         read passes its gradient on unchanged, with no gate to wait for: its output's
         gradient is applied as soon as it is complete."""
-        for t in {t.ref(): t for t in op.inputs if t.ref() in self.readers_left}.values():
-            self.readers_left[t.ref()] -= 1
-            if not self.readers_left[t.ref()] and (summed := self._summed_gradient(t)):
+        for t in dict.fromkeys(t for t in self.ids.inputs[op] if t in self.readers_left):
+            self.readers_left[t] -= 1
+            if not self.readers_left[t] and (summed := self._summed_gradient(t)):
                 self.peak = max(self.peak, self.alive + summed.size)  # the update's temporary
                 self.release(summed)
-                if t.ref() in self.parts:
-                    self.release(self.parts.pop(t.ref())[0])
+                if t in self.parts:
+                    self.release(self.parts.pop(t)[0])
 
-    def _summed_gradient(self, tensor: tf.Tensor) -> _Buffer | None:
+    def _summed_gradient(self, tensor: int) -> _Buffer | None:
         """The gradient of `tensor`, its parts summed, held for the caller. The parts of an x
         stay until its gradient is applied, if ever."""
-        parts = self.parts.get(tensor.ref(), [])
+        parts = self.parts.get(tensor, [])
         if not parts:
             return None
         parts[:] = [self._sum(parts)]
-        if tensor.ref() in self.xs:
+        if tensor in self.ids.xs:
             return self.hold(parts[0])
-        return self.parts.pop(tensor.ref())[0]
+        return self.parts.pop(tensor)[0]
 
     def _sum(self, parts: Sequence[_Buffer]) -> _Buffer:
         """The sum of gradient `parts`, which it releases: written into one of them that
@@ -363,46 +379,47 @@ class _Run:
                 self.release(part)
         return total
 
+    def _run_by_executor(self, ops: Sequence[int], uses: dict[int, int]) -> list[int]:
+        """The ops of `ops` (in order) that an executor runs: those whose outputs are used
+        later (`uses`) or read by ops that run. The others' outputs nothing needs (a
+        recomputed concatenation whose gradient reads none of it), so the executor prunes
+        them. Gradients may read the shape of any tensor around their op, which graph
+        optimizers fold where it is static: a tensor whose static shape is not fully known
+        is taken to be needed."""
+        inputs, outputs, open_ = self.ids.inputs, self.ids.outputs, self.ids.open
+        wanted = {t for t, count in uses.items() if count}
+        if open_:
+            wanted.update(t for op in ops for t in (*inputs[op], *outputs[op]) if t in open_)
+        run = []
+        for op in reversed(ops):
+            if any(t in wanted for t in outputs[op]):
+                run.append(op)
+                wanted.update(inputs[op])
+        return run[::-1]
 
-def _run_by_executor(ops: Sequence[tf.Operation], uses: dict[object, int]) -> list[tf.Operation]:
-    """The ops of `ops` (in order) that an executor runs: those whose outputs are used later
-    (`uses`) or read by ops that run. The others' outputs nothing needs (a recomputed
-    concatenation whose gradient reads none of it), so the executor prunes them. Gradients
-    may read the shape of any tensor around their op, which graph optimizers fold where it
-    is static: a tensor whose static shape is not fully known is taken to be needed."""
-    wanted = {ref for ref, count in uses.items() if count}
-    wanted.update(
-        t.ref() for op in ops for t in (*op.inputs, *op.outputs) if not t.shape.is_fully_defined()
-    )
-    run = []
-    for op in reversed(ops):
-        if any(t.ref() in wanted for t in op.outputs):
-            run.append(op)
-            wanted.update(t.ref() for t in op.inputs)
-    return run[::-1]
-
-
-def _read_by_gradient(op: tf.Operation, cost: costs.OpCost) -> list[tf.Tensor]:
-    read = [op.inputs[i] for i in cost.saved_inputs] + [op.outputs[i] for i in cost.saved_outputs]
-    return list({t.ref(): t for t in read}.values())
-
-
-def _uses(ops_differentiated: Iterable[tf.Operation], cost: dict) -> dict[object, int]:
-    """Refs of the tensors the gradients of `ops_differentiated` read, each counted once."""
-    return {t.ref(): 1 for op in ops_differentiated for t in _read_by_gradient(op, cost[op])}
+    def uses(self, ops_differentiated: Iterable[int]) -> dict[int, int]:
+        """The tensors the gradients of `ops_differentiated` read, each counted once."""
+        return {t: 1 for op in ops_differentiated for t in self.read[op]}
 
 
-def _add(uses: dict[object, int], more: Iterable[object]) -> dict[object, int]:
-    for ref in more:
-        uses[ref] = uses.get(ref, 0) + 1
+def _read_by_gradient(
+    inputs: Sequence[int], outputs: Sequence[int], cost: costs.OpCost
+) -> list[int]:
+    read = [inputs[i] for i in cost.saved_inputs] + [outputs[i] for i in cost.saved_outputs]
+    return list(dict.fromkeys(read))
+
+
+def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
+    for t in more:
+        uses[t] = uses.get(t, 0) + 1
     return uses
 
 
 def plain_peak(view: ForwardView) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read."""
     run = _Run(view)
-    ops = list(view.ops)
-    run.forward(ops, (ORIGINAL,), _add(_uses(ops, run.cost), (y.ref() for y in view.ys)))
+    ops = list(range(len(view.ops)))
+    run.forward(ops, (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))
     _seed(run, view)
     run.differentiate(ops, (ORIGINAL,))
     return run.peak
@@ -417,64 +434,66 @@ def checkpointed_peak(
     run = _Run(view)
     schedule = schedule or Schedule.build(view, levels[0])
     segments = _segments(schedule)
-    last = _ops_of(view, schedule.last)
-    uses = _add(_uses(last, run.cost), (y.ref() for y in view.ys))
+    last = _ops_of(run, schedule.last)
+    uses = _add(run.uses(last), run.tensor_ids(view.ys))
     for segment in segments:
-        _add(uses, _uses([op for op in view.ops if op in segment.originals], run.cost))
-        _add(uses, (t.ref() for t in segment.frontier))
-    run.forward(list(view.ops), (ORIGINAL,), uses)
+        _add(uses, run.uses(run.positions(segment.originals)))
+        _add(uses, run.tensor_ids(segment.frontier))
+    run.forward(list(range(len(view.ops))), (ORIGINAL,), uses)
     _seed(run, view)
     run.differentiate(last, (ORIGINAL,))
-    _steps(run, view, schedule, segments, levels[1:], (ORIGINAL,))
+    _steps(run, schedule, segments, levels[1:], (ORIGINAL,))
     return run.peak
 
 
-def _steps(run: _Run, view, schedule, segments: Sequence[Segment], nested, outer: tuple) -> None:
+def _steps(run: _Run, schedule, segments: Sequence[Segment], nested, outer: tuple) -> None:
     """Simulate the steps of `segments` of `schedule`, whose boundaries live at the levels of
     `outer`; `nested` gives the checkpoints of each further level."""
-    last_read = {t.ref(): j for j, s in enumerate(segments) for t in s.frontier}
-    for j, segment in enumerate(segments):
+    frontiers = [run.tensor_ids(s.frontier) for s in segments]
+    last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
+    for j, (segment, frontier) in enumerate(zip(segments, frontiers, strict=True)):
         chain = (run.new_level(), *outer)
-        inherited = frozenset(t.ref() for t in segment.frontier if last_read[t.ref()] == j)
+        inherited = frozenset(t for t in frontier if last_read[t] == j)
         inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
         if inner:
             ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
-            _nested_step(run, view, segment, ends, inner, nested[1:], chain, inherited)
+            _nested_step(run, segment, ends, inner, nested[1:], chain, inherited)
         else:
-            recomputed = [op for op in view.ops if op in segment.ops]
-            run.forward(recomputed, chain, _uses(recomputed, run.cost), inherited)
-            run.differentiate(_ops_of(view, segment), chain, recomputed, inherited)
-        for t in segment.frontier:
-            if t.ref() not in inherited:
+            recomputed = run.positions(segment.ops)
+            run.forward(recomputed, chain, run.uses(recomputed), inherited)
+            run.differentiate(_ops_of(run, segment), chain, recomputed, inherited)
+        for t in frontier:
+            if t not in inherited:
                 run.release(run.buffer(t, outer))
 
 
-def _nested_step(run, view, segment, ends, inner, deeper, chain, inherited) -> None:
+def _nested_step(run, segment, ends, inner, deeper, chain, inherited) -> None:
     """A step recomputing `segment` (up to its boundaries `ends`) while keeping only its
     `inner` checkpoints: the last inner segment is differentiated as recomputed, the others
     are recomputed once more."""
     schedule = Schedule.build(ForwardView.build(ends, list(segment.frontier)), inner)
     segments = [s for s in _segments(schedule) if s.ops]
-    last = [op for op in _ops_of(view, schedule.last) if op in segment.ops]
-    recomputed = [op for op in view.ops if op in segment.ops]
-    uses = _uses(last, run.cost)
+    last = run.positions((schedule.last.ops | schedule.last.originals) & segment.ops)
+    recomputed = run.positions(segment.ops)
+    uses = run.uses(last)
     for s in segments:
-        _add(uses, (t.ref() for t in s.frontier if t.op in segment.ops))
+        _add(uses, run.tensor_ids(t for t in s.frontier if t.op in segment.ops))
     run.forward(recomputed, chain, uses, inherited)
     run.differentiate(last, chain, recomputed, inherited)
-    _steps(run, view, schedule, segments, deeper, chain)
+    _steps(run, schedule, segments, deeper, chain)
 
 
 def _segments(schedule: Schedule) -> list[Segment]:
     return [Segment.union([schedule.segments[op] for op in step]) for step in schedule.steps]
 
 
-def _ops_of(view: ForwardView, segment: Segment) -> list[tf.Operation]:
-    return [op for op in view.ops if op in segment.ops or op in segment.originals]
+def _ops_of(run: _Run, segment: Segment) -> list[int]:
+    """The positions of the ops `segment` differentiates, in topological order."""
+    return run.positions(segment.ops | segment.originals)
 
 
 def _seed(run: _Run, view: ForwardView) -> None:
     """The gradients of the ys: given ones, or ones graph optimizers fold into constants."""
     for y in view.ys:
         seed = run.new(costs.tensor_bytes(y)) if view.given_grad_ys else _Buffer(0, constant=True)
-        run.parts.setdefault(y.ref(), []).append(seed)
+        run.parts.setdefault(run.ids.ids[y.ref()], []).append(seed)

@@ -48,6 +48,60 @@ def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> s
 
 
 @dataclasses.dataclass(frozen=True)
+class Numbering:
+    """A view's tensors as integers, for what walks one view many times (the cost model
+    simulates every candidate plan): ints hash and compare faster than tensors' refs.
+
+    Attributes:
+      tensors: each tensor the view's ops read or make, and the xs and ys, by its id.
+      ids: the id of each of `tensors`, by `ref()`.
+      inputs, outputs: the ids of each op's inputs and outputs, by its position in `ops`.
+      xs: the ids of the xs.
+      receives_gradient: for each id, whether backprop makes a gradient for it: it is made
+        by an op of the view or is an x.
+      open: the ids of the tensors whose static shape is not fully known.
+    """
+
+    tensors: tuple[tf.Tensor, ...]
+    ids: dict[object, int]
+    inputs: tuple[tuple[int, ...], ...]
+    outputs: tuple[tuple[int, ...], ...]
+    xs: frozenset[int]
+    receives_gradient: tuple[bool, ...]
+    open: frozenset[int]
+
+    @classmethod
+    def of(cls, view: ForwardView) -> Numbering:
+        ids: dict[object, int] = {}
+        tensors: list[tf.Tensor] = []
+
+        def number(tensor: tf.Tensor) -> int:
+            ref = tensor.ref()
+            if ref not in ids:
+                ids[ref] = len(tensors)
+                tensors.append(tensor)
+            return ids[ref]
+
+        xs = frozenset(number(x) for x in view.xs)
+        inputs, outputs = [], []
+        for op in view.ops:
+            inputs.append(tuple(number(t) for t in op.inputs))
+            outputs.append(tuple(number(t) for t in op.outputs))
+        for y in view.ys:
+            number(y)
+        made = {t for ts in outputs for t in ts}
+        return cls(
+            tensors=tuple(tensors),
+            ids=ids,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            xs=xs,
+            receives_gradient=tuple(i in made or i in xs for i in range(len(tensors))),
+            open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardView:
     """The ops between xs and ys, which of them may be recomputed, and what must be kept.
 
@@ -131,6 +185,11 @@ class ForwardView:
             return tensor.op in self.position or tensor.ref() in xs
 
         return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
+
+    @cached_property
+    def numbering(self) -> Numbering:
+        """The view's tensors and what its ops read and make, as integers."""
+        return Numbering.of(self)
 
     @cached_property
     def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
