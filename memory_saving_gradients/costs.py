@@ -225,6 +225,7 @@ class OpCost:
         where unknown (function calls, control flow, custom gradients): such a gradient is
         taken to read every input and output and to make new input gradients.
       reuses_input: whether its output may take over an input buffer nothing else needs.
+      aliases: its outputs are its first input's buffer (reshapes, identities).
       flops: its compute.
     """
 
@@ -234,6 +235,7 @@ class OpCost:
     needed: tuple[bool, ...]
     gradient: GradientUse | None
     reuses_input: bool
+    aliases: bool
     flops: float
 
 
@@ -256,6 +258,7 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
         needed=tuple(needed),
         gradient=use,
         reuses_input=op.type in REUSES_INPUT_BUFFER,
+        aliases=op.type in ALIASING,
         flops=flops(op),
     )
 

@@ -71,13 +71,10 @@ class _Run:
         #: The cost of each op, by position.
         self.cost = [view.costs[op] for op in view.ops]
         #: What each op's gradient reads, by position.
-        self.read = [
-            _read_by_gradient(inputs, outputs, cost)
-            for inputs, outputs, cost in zip(
-                self.ids.inputs, self.ids.outputs, self.cost, strict=True
-            )
-        ]
-        self.aliasing = [op.type in costs.ALIASING for op in view.ops]
+        self.read = self.ids.gradient_reads
+        #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
+        #: (few: ops of one kind share a use).
+        self.gradient_steps: dict[tuple, tuple] = {}
         self.alive = 0
         self.peak = 0
         #: The buffer of each tensor at each copy level, by level.
@@ -85,18 +82,13 @@ class _Run:
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[_Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
-        self.expected = [0] * len(self.ids.tensors)
-        gets_gradient = self.ids.receives_gradient
-        for inputs, cost in zip(self.ids.inputs, self.cost, strict=True):
-            for t, needed in zip(inputs, cost.needed, strict=True):
-                if needed and gets_gradient[t]:
-                    self.expected[t] += 1
+        self.expected = list(self.ids.gradient_parts)
         #: Where gradients are applied as they complete: the readers not differentiated yet
         #: of each tensor whose gradient is an x's.
         self.readers_left: dict[int, int] = (
             {}
             if view.gradients_held
-            else {self.ids.ids[t.ref()]: len(set(view.consumers(t))) for t in view.gradients_of_xs}
+            else {t: self.ids.readers[t] for t in self.tensor_ids(view.gradients_of_xs)}
         )
 
     def new_level(self) -> int:
@@ -180,7 +172,7 @@ class _Run:
     def _output_buffer(self, op, index, cost, dying, chain) -> _Buffer | None:
         size = cost.output_bytes[index]
         inputs = self.ids.inputs[op]
-        if self.aliasing[op] and inputs:
+        if cost.aliases and inputs:
             return self.hold(self.buffer(inputs[0], chain))
         if size == 0:
             return None
@@ -292,13 +284,11 @@ class _Run:
             tensor = (self.ids.inputs if kind == "in" else self.ids.outputs)[op][index]
             # A resident tensor (a variable's value): never freed here, never written into.
             value[placeholder] = read.get(tensor) or _Buffer(0, holders=2)
-        needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
-        steps = [step for i, step in enumerate(use.steps) if i in needed]
-        readers: dict[int, int] = {}
-        for step in steps:
-            for t in step.reads:
-                readers[t] = readers.get(t, 0) + 1
-        returned = {r for r, want in zip(use.returned, wanted, strict=True) if want}
+        key = (id(use), tuple(wanted))
+        if key not in self.gradient_steps:
+            self.gradient_steps[key] = _needed_steps(use, wanted)
+        steps, step_readers, returned = self.gradient_steps[key]
+        readers = dict(step_readers)
         made: set[int] = set()
         dying_ids = {id(b) for b in dying}
         for step in steps:
@@ -402,11 +392,19 @@ class _Run:
         return {t: 1 for op in ops_differentiated for t in self.read[op]}
 
 
-def _read_by_gradient(
-    inputs: Sequence[int], outputs: Sequence[int], cost: costs.OpCost
-) -> list[int]:
-    read = [inputs[i] for i in cost.saved_inputs] + [outputs[i] for i in cost.saved_outputs]
-    return list(dict.fromkeys(read))
+def _needed_steps(
+    use: costs.GradientUse, wanted: Sequence[bool]
+) -> tuple[list[costs.GradientStep], dict[int, int], frozenset[int]]:
+    """The steps of `use` that the `wanted` input gradients need, how many of them read each
+    tensor, and the tensors holding the wanted gradients."""
+    needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
+    steps = [step for i, step in enumerate(use.steps) if i in needed]
+    readers: dict[int, int] = {}
+    for step in steps:
+        for t in step.reads:
+            readers[t] = readers.get(t, 0) + 1
+    returned = frozenset(r for r, want in zip(use.returned, wanted, strict=True) if want)
+    return steps, readers, returned
 
 
 def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:

@@ -60,6 +60,10 @@ class Numbering:
       receives_gradient: for each id, whether backprop makes a gradient for it: it is made
         by an op of the view or is an x.
       open: the ids of the tensors whose static shape is not fully known.
+      readers: for each id, how many ops of the view read it.
+      gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
+        position.
+      gradient_parts: for each id, how many ops' gradients make a part of its gradient.
     """
 
     tensors: tuple[tf.Tensor, ...]
@@ -69,6 +73,9 @@ class Numbering:
     xs: frozenset[int]
     receives_gradient: tuple[bool, ...]
     open: frozenset[int]
+    readers: tuple[int, ...]
+    gradient_reads: tuple[tuple[int, ...], ...]
+    gradient_parts: tuple[int, ...]
 
     @classmethod
     def of(cls, view: ForwardView) -> Numbering:
@@ -90,14 +97,29 @@ class Numbering:
         for y in view.ys:
             number(y)
         made = {t for ts in outputs for t in ts}
+        receives_gradient = tuple(i in made or i in xs for i in range(len(tensors)))
+        readers, parts = [0] * len(tensors), [0] * len(tensors)
+        gradient_reads = []
+        for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
+            cost = view.costs[op]
+            for t in set(ins):
+                readers[t] += 1
+            for t, needed in zip(ins, cost.needed, strict=True):
+                if needed and receives_gradient[t]:
+                    parts[t] += 1
+            read = [ins[i] for i in cost.saved_inputs] + [outs[i] for i in cost.saved_outputs]
+            gradient_reads.append(tuple(dict.fromkeys(read)))
         return cls(
             tensors=tuple(tensors),
             ids=ids,
             inputs=tuple(inputs),
             outputs=tuple(outputs),
             xs=xs,
-            receives_gradient=tuple(i in made or i in xs for i in range(len(tensors))),
+            receives_gradient=receives_gradient,
             open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
+            readers=tuple(readers),
+            gradient_reads=tuple(gradient_reads),
+            gradient_parts=tuple(parts),
         )
 
 
