@@ -92,6 +92,8 @@ class _Backprop:
         self._parts: dict[object, list[Gradient]] = {}
         #: Parts found since the last gate, which the next gate waits for.
         self._unwaited: list[_Part] = []
+        #: The gates' outputs passing each tensor (by ref) on: they share its buffer.
+        self.passed: dict[object, list[tf.Tensor]] = {}
 
     def has_gradient(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self._parts
@@ -259,6 +261,8 @@ def checkpointed_gradients(
             read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
             gates, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
             gated = {t.ref(): gate for t, gate in zip(read, gates, strict=True)}
+            for t, gate in zip(read, gates, strict=True):
+                backprop.passed.setdefault(t.ref(), []).append(gate)
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
                 f"{scope}recompute_{depth}/",
@@ -281,7 +285,41 @@ def checkpointed_gradients(
             else:
                 backprop.differentiate(ys, incoming, targets, copies)
 
-    return [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+        gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+        return _released_after_reads(view, gradients, backprop.passed, scope)
+
+
+# NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
+# gradient exists, and a weight gradient exists before the data gradient beside it (NOTE
+# [weight gradients first]), which still reads the variable's value. A variable whose buffer
+# is still read cannot be updated in place: TensorFlow copies it to a new buffer (16 of 16
+# updates of an SGD step on a 16-layer chain), a transient the size of the variable, and the
+# variables move in memory every step, so the allocator's free blocks, and its peak, differ
+# from step to step. So each x's gradient is passed on only once every op of this backward
+# pass reading x's value (directly, or through a gate) has run.
+def _released_after_reads(
+    view: ForwardView, gradients: list[Gradient | None], passed: dict, scope: str
+) -> list[Gradient | None]:
+    """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
+    the variable read of x, or a gate passing either on) have run."""
+    released = []
+    for x, gradient in zip(view.xs, gradients, strict=True):
+        values = [x, *view.reads_of(x)]
+        readers = {
+            reader
+            for value in values
+            for alias in (value, *passed.get(value.ref(), ()))
+            for reader in alias.consumers()
+            if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
+        }
+        if gradient is None or not readers:
+            released.append(gradient)
+            continue
+        with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
+            released.append(
+                tf.nest.map_structure(tf.identity, gradient, expand_composites=True)
+            )
+    return released
 
 
 def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:

@@ -215,20 +215,19 @@ class ForwardView:
 
     @cached_property
     def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
-        """The tensors whose gradients are those of xs: the xs, and the floating-point outputs
-        of ops that read an x without being recomputed (variable reads), whose gradients pass
-        on to it unchanged."""
-        return (
-            *self.xs,
-            *(
-                out
-                for x in self.xs
-                for op in dict.fromkeys(self.consumers(x))
-                if op not in self.recomputable
-                for out in op.outputs
-                if out.dtype.is_floating
-            ),
-        )
+        """The tensors whose gradients are those of xs: the xs and their `reads_of`."""
+        return (*self.xs, *(out for x in self.xs for out in self.reads_of(x)))
+
+    def reads_of(self, x: tf.Tensor) -> list[tf.Tensor]:
+        """The floating-point outputs of ops that read `x` without being recomputed (variable
+        reads): their gradients pass on to `x` unchanged."""
+        return [
+            out
+            for op in dict.fromkeys(self.consumers(x))
+            if op not in self.recomputable
+            for out in op.outputs
+            if out.dtype.is_floating
+        ]
 
     @cached_property
     def _x_refs(self) -> frozenset:
