@@ -316,9 +316,7 @@ def _released_after_reads(
             released.append(gradient)
             continue
         with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
-            released.append(
-                tf.nest.map_structure(tf.identity, gradient, expand_composites=True)
-            )
+            released.append(tf.nest.map_structure(tf.identity, gradient, expand_composites=True))
     return released
 
 
