@@ -476,6 +476,10 @@ def _nested_step(run, segment, ends, inner, deeper, chain, inherited) -> None:
     uses = run.uses(last)
     for s in segments:
         _add(uses, run.tensor_ids(t for t in s.frontier if t.op in segment.ops))
+        # The inner steps release their boundaries from outside the segment too, which
+        # live on meanwhile: each needs a hold of its own.
+        for t in run.tensor_ids(t for t in s.frontier if t.op not in segment.ops):
+            run.hold(run.buffer(t, chain))
     run.forward(recomputed, chain, uses, inherited)
     run.differentiate(last, chain, recomputed, inherited)
     _steps(run, schedule, segments, deeper, chain)

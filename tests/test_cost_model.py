@@ -35,12 +35,24 @@ TOLERANCE = 0.20
 MB = 1e6
 SESSIONS = 3
 
+
+def _nested(*levels: list[int]):
+    """Checkpoints `levels[0]` of a chain's nodes, nested `levels[1:]`: a fixed plan, whatever
+    the strategies choose."""
+    return lambda nodes: (
+        lambda view: msg.Plan(view, [[nodes[i] for i in level] for level in levels], "nested")
+    )
+
+
 #: Chains of n tanh ops on a 1 MB variable (test_memory's), and what they keep.
 CHAINS = {
     "plain 10": (10, False, None),
     "every 5 of 20": (20, False, lambda nodes: nodes[5:20:5]),
     "'memory' 30": (30, False, "memory"),
     "residual 'memory' 16": (16, True, "memory"),
+    # Inner steps read the boundary before their segment until the last of them is done.
+    "residual nested 16": (16, True, _nested([6, 11, 15], [3, 9, 14], [13])),
+    "nested 30": (30, False, _nested([11, 21], [6, 16, 26], [4, 14, 24])),
 }
 #: Models of the command (`cli/models.py`) at sizes whose tensors are 256 KiB or more.
 FAMILIES = {
