@@ -13,7 +13,12 @@ The gradient parts of one tensor are summed once all have arrived (an AddN runs 
 inputs exist). Gradients of xs live to the end of the step where the view says they are
 held (fetched, returned, or checked all together before an optimizer applies any); otherwise
 each is freed once the last op reading its x is differentiated, as an update in the same
-step consumes it (making one temporary of its size, as SGD's learning rate times gradient).
+step consumes it: SGD computes its learning rate times gradient in the gradient's buffer,
+and, as checkpointed backprop passes a gradient on only once every op reading its variable
+has run (NOTE [updates after reads] in rewrite.py), updates the variable in place. Plain
+`tf.gradients` passes it on at once, so the update may run while the variable is still read,
+and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
+counted.
 What a gradient computes from constants alone (the seed of the loss, static shapes) is folded
 ahead of the step, as graph optimizers do.
 
@@ -65,8 +70,11 @@ class _Run:
     (`chain`, innermost first).
     """
 
-    def __init__(self, view: ForwardView) -> None:
+    def __init__(self, view: ForwardView, updates_copy: bool = False) -> None:
         self.view = view
+        #: Whether an update copies its variable (plain `tf.gradients`: see the module's
+        #: docstring).
+        self.updates_copy = updates_copy
         self.ids = view.numbering
         #: The cost of each op, by position.
         self.cost = [view.costs[op] for op in view.ops]
@@ -334,13 +342,14 @@ class _Run:
 
     def _apply_completed_gradients(self, op: int) -> None:
         """Free the gradient of each x that `op` was the last reader of, once summed: an
-        update applies it (where gradients are not held to the end of the step). A variable
-        read passes its gradient on unchanged, with no gate to wait for: its output's
-        gradient is applied as soon as it is complete."""
+        update applies it (where gradients are not held to the end of the step), copying its
+        variable where `updates_copy`. A variable read passes its gradient on unchanged, with
+        no gate to wait for: its output's gradient is applied as soon as it is complete."""
         for t in dict.fromkeys(t for t in self.ids.inputs[op] if t in self.readers_left):
             self.readers_left[t] -= 1
             if not self.readers_left[t] and (summed := self._summed_gradient(t)):
-                self.peak = max(self.peak, self.alive + summed.size)  # the update's temporary
+                if self.updates_copy:
+                    self.peak = max(self.peak, self.alive + summed.size)
                 self.release(summed)
                 if t in self.parts:
                     self.release(self.parts.pop(t)[0])
@@ -415,7 +424,7 @@ def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
 
 def plain_peak(view: ForwardView) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read."""
-    run = _Run(view)
+    run = _Run(view, updates_copy=True)
     ops = list(range(len(view.ops)))
     run.forward(ops, (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))
     _seed(run, view)
