@@ -178,8 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--targets",
         action="store_true",
-        help=f"exit 1 unless the families' predicted peaks are within {TARGET_ERROR:.0%} of "
-        "the smallest measured",
+        help=f"exit 1 unless the families' predicted peaks are within {100 * TARGET_ERROR:.0f}"
+        "%% of the smallest measured",
     )
     args = parser.parse_args(argv)
     grow = tf.zeros([GROWN_MIB * MiB // 4])  # the free block each request is cut from

@@ -62,8 +62,9 @@ def gradients(
         stop_gradients, unconnected_gradients: as in `tf.compat.v1.gradients`.
       checkpoints: the tensors to keep, or a strategy: 'collection' (the graph collection
         'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions),
-        'memory' (cuts chosen to minimise the estimated peak memory, about sqrt(2N) tensors on
-        an N-layer chain; when none pays off, plain gradients are computed and logged),
+        'memory' (cuts chosen to minimise the predicted peak memory: one level, about sqrt(2N)
+        tensors on an N-layer chain, or nested where that predicts a smaller peak, down to
+        O(log N); when none pays off, plain gradients are computed and logged),
         'balanced' ('memory''s peak plus a third of what it saves, for less recomputation),
         a `MemoryBudget` (the least recomputation whose predicted peak fits a fraction of
         plain backprop's, or a number of bytes; nested recomputation below one level's

@@ -46,6 +46,11 @@ EXPENSIVE_OP_TYPES = frozenset(
 Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
 #: Plans simulated while looking for the one that fits a budget, at most.
 BUDGET_BISECTIONS = 6
+#: Model peaks tried between one level's least and the least any cuts allow, bisected.
+LEAST_PEAK_BISECTIONS = 12
+#: 'memory' takes the plan recomputing least among those whose predicted peak is within this
+#: fraction of the least: a level of nesting costs about one more forward pass.
+NESTING_GAIN = 0.03
 CheckpointsArg = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 
@@ -103,15 +108,21 @@ def _is_expensive(op: tf.Operation) -> bool:
 
 
 def memory(view: ForwardView) -> Plan:
-    """The cuts with the least peak one level of recomputation reaches (about sqrt(2N) tensors
-    on an N-layer chain), recomputing each op once.
+    """The least predicted peak. One level of cuts recomputes each op once and holds about
+    sqrt(2N) tensors on an N-layer chain; nested cuts (segments checkpointed in turn) hold
+    fewer, down to O(log N), for about one more forward pass a level. Of the plans whose
+    predicted peak is within `NESTING_GAIN` of the least, the one recomputing least is used.
 
     When no cuts lower the peak (tiny graphs), none are kept and gradients are computed as
     `tf.gradients` does, which is logged.
     """
     order = planner.Order.of(view, view.costs)
-    cuts, _ = planner.smallest_peak(order)
-    return Plan(view, planner.checkpoints_of(order, cuts), "'memory'")
+    candidates = _least_peak_candidates(view, order, "'memory'", footprint.plain_peak(view))
+    least = min(plan.peak_bytes for plan, _ in candidates)
+    close = [
+        (work, plan) for plan, work in candidates if plan.peak_bytes <= least * (1 + NESTING_GAIN)
+    ]
+    return min(close, key=lambda pair: pair[0])[1]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -119,15 +130,16 @@ class MemoryBudget:
     """The checkpoints that recompute least while the predicted activation peak of a step
     stays within a budget: `fraction` of plain backprop's predicted peak, or `bytes`.
 
-    'memory' buys the smallest one-level peak by recomputing nearly the whole forward pass. A
-    budget above it spends memory on speed: backprop runs on the original activations of the
-    longest final part of the forward pass that fits, and only the part before it is
+    One level of cuts reaches its least peak by recomputing nearly the whole forward pass. A
+    budget above that spends memory on speed: backprop runs on the original activations of
+    the longest final part of the forward pass that fits, and only the part before it is
     recomputed. A budget below it nests recomputation: segments are themselves checkpointed
     and their inner parts recomputed once more, each level costing about one more forward
-    pass (on chains, down to O(log n) activations). Pass it wherever `checkpoints` is
-    accepted, e.g. `checkpoints=MemoryBudget(0.25)` or `MemoryBudget(bytes=12 * 2**30)`. At a
-    budget no plan fits, the smallest predicted peak's plan is used and that peak is logged;
-    at or above plain backprop's peak nothing is recomputed.
+    pass (on chains, down to O(log n) activations; 'memory' takes the least of those). Pass
+    it wherever `checkpoints` is accepted, e.g. `checkpoints=MemoryBudget(0.25)` or
+    `MemoryBudget(bytes=12 * 2**30)`. At a budget no plan fits, the smallest predicted
+    peak's plan is used and that peak is logged; at or above plain backprop's peak nothing is
+    recomputed.
     """
 
     fraction: float | None = None
@@ -211,21 +223,36 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
     return smallest
 
 
-def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) -> Plan:
-    """The plan with the smallest predicted peak among the one-level minimum and nested plans
-    for ever smaller model peaks (bisected)."""
+def _least_peak_candidates(
+    view: ForwardView, order: planner.Order, name: str, plain: int
+) -> list[tuple[Plan, float]]:
+    """Plans whose predicted peaks may be the least, each with the forward compute it repeats:
+    one level's minimum and the distinct nested plans for ever smaller model peaks (bisected).
+    The simulated peak does not fall steadily with the model's, so each is simulated."""
     flat, high = planner.smallest_peak(order)
-    candidates = [Plan(view, planner.checkpoints_of(order, flat), name, plain)]
+    found = {flat: None}
     low = order.least_peak()
-    for _ in range(12):
+    for _ in range(LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2
         cuts = planner.within(order, middle)
         if cuts is None:
             low = middle
         else:
             high = middle
-            candidates.append(Plan(view, planner.checkpoints_of(order, cuts), name, plain))
-    return min(candidates, key=lambda plan: plan.peak_bytes)
+            found[cuts] = None
+    return [
+        (Plan(view, planner.checkpoints_of(order, cuts), name, plain),
+         planner.recompute_flops(order, cuts))
+        for cuts in found
+    ]  # fmt: skip
+
+
+def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) -> Plan:
+    """The plan with the smallest predicted peak of `_least_peak_candidates`."""
+    return min(
+        (plan for plan, _ in _least_peak_candidates(view, order, name, plain)),
+        key=lambda plan: plan.peak_bytes,
+    )
 
 
 def balanced(view: ForwardView) -> Plan:

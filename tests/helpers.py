@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
+from memory_saving_gradients import planner
 from tests.models import Model
 
 tf1 = tf.compat.v1
@@ -105,11 +107,31 @@ def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
     ]
 
 
+def one_level(view: msg.ForwardView) -> msg.Plan:
+    """A policy keeping the one-level cuts with the least predicted peak: 'memory''s plan
+    where nesting lowers the peak too little to pay for another forward pass."""
+    order = planner.Order.of(view, view.costs)
+    cuts, _ = planner.smallest_peak(order)
+    return msg.Plan(view, planner.checkpoints_of(order, cuts), "one level")
+
+
 def recomputed_copies(graph: tf.Graph) -> list[tf.Operation]:
-    """The forward ops the rewrite copied, not the gradient ops TensorFlow names after them."""
-    return [
-        op for op in graph.get_operations() if "/recompute_" in op.name and "_grad/" not in op.name
-    ]
+    """The forward ops the rewrite copied, at every level of nesting, not the gradient ops
+    TensorFlow names after them."""
+    return [op for op in graph.get_operations() if original_of(op) is not None]
+
+
+def original_of(copy: tf.Operation) -> tf.Operation | None:
+    """The forward op that `copy` recomputes (a copy's name ends in the original's, after its
+    innermost "recompute_<step>/" scope), or None if `copy` is no recomputed copy."""
+    parts = re.split(r"recompute_\d+/", copy.name)
+    if len(parts) < 2 or "_grad/" in parts[-1]:
+        return None
+    try:
+        original = copy.graph.get_operation_by_name(parts[-1])
+    except KeyError:
+        return None
+    return original if original.type == copy.type else None
 
 
 def assert_recomputes(graph: tf.Graph) -> None:

@@ -6,7 +6,6 @@ process has long done, so tests/test_distribute.py runs this module in a fresh i
 """
 
 import json
-import re
 
 import numpy as np
 import tensorflow as tf
@@ -22,6 +21,7 @@ def main() -> None:
     )
     import memory_saving_gradients as msg
     from memory_saving_gradients.profiling import peak_memory
+    from tests.helpers import original_of, recomputed_copies
 
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
     rng = np.random.default_rng(0)
@@ -88,11 +88,8 @@ def main() -> None:
 
     graph = checkpointed.get_concrete_function(argument).graph
     placements = []
-    for op in graph.get_operations():
-        match = re.search(r"recompute_\d+/(.*)$", op.name)
-        if match and "segment_" not in op.name:
-            original = graph.get_operation_by_name(match.group(1))
-            placements.append([op.name, op.device, original.device])
+    for op in recomputed_copies(graph):
+        placements.append([op.name, op.device, original_of(op).device])
 
     peaks = {}
     for name, (step, argument) in steps.items():

@@ -8,6 +8,7 @@ import memory_saving_gradients as msg
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,
+    original_of,
     recomputed_copies,
     run_with_nones,
 )
@@ -78,7 +79,7 @@ def test_recomputed_ops_keep_their_device_on_several_devices():
         copies = recomputed_copies(graph)
         assert copies
         for copy in copies:
-            original = graph.get_operation_by_name(copy.name.split("/", 2)[-1])
+            original = original_of(copy)
             assert copy.device == original.device, copy.name
         assert {copy.device for copy in copies} >= {"/device:CPU:0", "/device:CPU:1"}
         with tf1.Session(config=config) as session:
@@ -100,6 +101,6 @@ def test_colocation_constraints_are_kept():
         copies = recomputed_copies(graph)
         assert copies
         for copy in copies:
-            original = graph.get_operation_by_name(copy.name.split("/", 2)[-1])
+            original = original_of(copy)
             assert copy.colocation_groups() == original.colocation_groups(), copy.name
             assert original.colocation_groups()[0].startswith(b"loc:@Variable")

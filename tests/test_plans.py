@@ -5,8 +5,9 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients import strategies
 from memory_saving_gradients.profiling import peak_memory
-from tests.helpers import assert_recomputes, assert_same_gradients
+from tests.helpers import assert_recomputes, assert_same_gradients, one_level
 
 tf1 = tf.compat.v1
 DEPTH, WIDTH, BATCH = 16, 64, 512
@@ -36,9 +37,22 @@ def test_memory_plan_keeps_graph_tensors_and_predicts_less_than_plain():
     assert 3 <= len(plan.checkpoints) < DEPTH
     assert all(t.graph is graph for t in plan.checkpoints)
     assert 0 < plan.peak_bytes < 0.5 * plan.plain_peak_bytes
-    # One level over the whole pass: nearly every layer before the last segment runs again.
-    assert 0.6 < plan.recompute_flops_fraction <= 1.0
-    assert plan.nested == ()
+    # Each level repeats at most the forward pass once more.
+    assert 0.6 < plan.recompute_flops_fraction <= len(plan.levels)
+
+
+def test_memory_nests_where_that_lowers_the_peak():
+    """On a 16-layer chain one level of cuts needs about sqrt(2 * 16) = 6 activations, nested
+    cuts 4: 'memory' takes the nested plan; one level recomputes nearly every layer before
+    the last segment once."""
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        least, flat = msg.plan(loss, weights), msg.plan(loss, weights, checkpoints=one_level)
+    assert flat.nested == ()
+    assert 0.6 < flat.recompute_flops_fraction <= 1.0
+    assert least.nested
+    assert least.peak_bytes < (1 - strategies.NESTING_GAIN) * flat.peak_bytes
+    assert least.recompute_flops_fraction > flat.recompute_flops_fraction
 
 
 def test_speed_plan_recomputes_only_the_cheap_ops():
@@ -66,13 +80,14 @@ def test_plan_table_names_each_kept_tensor_and_both_peaks():
         plan = msg.plan(loss, weights)
     table = str(plan)
     lines = table.splitlines()
-    assert lines[0] == f"Plan ('memory'): keeps {len(plan.checkpoints)} tensors"
+    nested = f", and {sum(map(len, plan.nested))} more nested" if plan.nested else ""
+    assert lines[0] == f"Plan ('memory'): keeps {len(plan.checkpoints)} tensors{nested}"
     assert f"{plan.peak_bytes / 2**20:.1f} MiB with it" in lines[1]
     assert f"{plan.plain_peak_bytes / 2**20:.1f} MiB without" in lines[1]
     assert f"recomputes {plan.recompute_flops_fraction:.2f} of the forward compute" in lines[2]
     assert lines[3].split() == ["level", "tensor", "op", "shape", "MiB"]
     rows = [line.split() for line in lines[4:]]
-    assert [row[1] for row in rows] == [t.name for t in plan.checkpoints]
+    assert [row[1] for row in rows] == [t.name for level in plan.levels for t in level]
     assert all(row[2] in ("MatMul", "Tanh") for row in rows)
     assert all(row[-1] == f"{BATCH * WIDTH * 4 / 2**20:.2f}" for row in rows)
 
@@ -80,7 +95,7 @@ def test_plan_table_names_each_kept_tensor_and_both_peaks():
 def test_nested_plan_lists_each_level():
     with tf.Graph().as_default():
         _, weights, _, loss = chain()
-        least = msg.plan(loss, weights)
+        least = msg.plan(loss, weights, checkpoints=one_level)
         plan = msg.plan(loss, weights, checkpoints=msg.MemoryBudget(bytes=least.peak_bytes // 2))
     assert plan.nested, "half of one level's least peak needs nested recomputation"
     assert plan.recompute_flops_fraction > least.recompute_flops_fraction

@@ -12,8 +12,9 @@ import numpy as np
 
 from memory_saving_gradients.cli.measure import PLAIN, Point
 
-#: The strategy whose peak grows as sqrt(depth): the plot fits that curve to it.
-SQRT_STRATEGY = "'memory'"
+#: Curves the plot fits to methods' peaks: plain's grows with depth, 'memory''s (nested
+#: recomputation on deep chains) with its logarithm.
+FITS = {PLAIN.name: ("depth", np.asarray), "'memory'": ("log(depth)", np.log)}
 #: One marker per method, so that methods measuring the same stay told apart.
 MARKERS = "osD^vPX*"
 _COLUMNS = (
@@ -75,8 +76,8 @@ def write_csv(points: Sequence[Point], path: Path, setting: Mapping[str, object]
 
 
 def plot(points: Sequence[Point], path: Path, title: str) -> None:
-    """Two panels against depth: activation memory (with a linear fit to plain and a
-    sqrt(depth) fit to 'memory'), and step time as a multiple of plain's.
+    """Two panels against depth: activation memory (with the `FITS` drawn through plain and
+    'memory'), and step time as a multiple of plain's.
 
     Raises:
       ImportError: matplotlib is not installed (the `demo` extra).
@@ -89,7 +90,7 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
         _series(points, "activation_mib").items(), itertools.cycle(MARKERS)
     ):
         (line,) = memory_axes.plot(depths, values, marker=marker, label=method)
-        fit = {PLAIN.name: ("depth", 1.0), SQRT_STRATEGY: ("sqrt(depth)", 0.5)}.get(method)
+        fit = FITS.get(method)
         if fit and len(set(depths)) > 1:
             _draw_fit(memory_axes, depths, values, *fit, line.get_color())
     memory_axes.set(
@@ -111,13 +112,13 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def _draw_fit(axes, depths, values, basis: str, power: float, color: str) -> None:
-    """A least-squares fit a * depth**power + b, dashed, labelled with its formula."""
-    slope, intercept = np.polyfit(np.power(depths, power), values, 1)
+def _draw_fit(axes, depths, values, basis: str, of_depth, color: str) -> None:
+    """A least-squares fit a * of_depth(depth) + b, dashed, labelled with its formula."""
+    slope, intercept = np.polyfit(of_depth(np.asarray(depths, dtype=float)), values, 1)
     dense = np.linspace(min(depths), max(depths), 100)
     axes.plot(
         dense,
-        slope * dense**power + intercept,
+        slope * of_depth(dense) + intercept,
         "--",
         color=color,
         linewidth=1,
