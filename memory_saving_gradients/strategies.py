@@ -165,12 +165,26 @@ class MemoryBudget:
     def __call__(self, view: ForwardView) -> Plan:
         plain = footprint.plain_peak(view)
         budget = self.bytes if self.bytes is not None else self.fraction * plain
-        return _within_budget(view, budget, plain, repr(self))
+        return _within_budget(view, budget, plain, repr(self), _headroom(view))
 
 
-def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> Plan:
-    """The plan recomputing least whose predicted peak is within `budget` bytes; where none
-    is, the one with the smallest predicted peak (logged).
+def _headroom(view: ForwardView) -> int:
+    """What a budget keeps free beside the predicted peak: the largest tensor a recomputed op
+    makes. TensorFlow's executor may order ready ops so that one more tensor is alive than
+    the cost model's order has, and its allocator hands a request a free block of up to twice
+    its size whole (128-layer chain, MemoryBudget(0.1): predicted 26 MiB, measured 28)."""
+    return max(
+        (view.bytes(t) for op in view.ops if op in view.recomputable for t in op.outputs),
+        default=0,
+    )
+
+
+def _within_budget(
+    view: ForwardView, budget: float, plain: int, name: str, headroom: int = 0
+) -> Plan:
+    """The plan recomputing least whose predicted peak is within `budget` bytes, less
+    `headroom`; where none is, the one with the smallest predicted peak (logged unless it is
+    within `budget`).
 
     The planner's model counts what gradients read; its peak for a plan is below the
     simulated one. Where one level of cuts reaches the budget, the largest model peak whose
@@ -188,12 +202,14 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
             None if cuts is None else Plan(view, planner.checkpoints_of(order, cuts), name, plain)
         )
 
+    usable = budget - headroom
+
     def fits(plan: Plan | None) -> bool:
-        return plan is not None and plan.peak_bytes <= budget
+        return plan is not None and plan.peak_bytes <= usable
 
     flat, flat_peak = planner.smallest_peak(order)
     least = Plan(view, planner.checkpoints_of(order, flat), name, plain)
-    target = budget * order.segment_peak() / plain if plain else budget
+    target = usable * order.segment_peak() / plain if plain else usable
     if fits(least):
         if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
             return widest
@@ -211,9 +227,9 @@ def _within_budget(view: ForwardView, budget: float, plain: int, name: str) -> P
             break
         if fits(plan):
             return plan
-        target *= 0.98 * budget / plan.peak_bytes
+        target *= 0.98 * usable / plan.peak_bytes
     smallest = _smallest(view, order, name, plain)
-    if fits(smallest):
+    if smallest.peak_bytes <= budget:
         return smallest
     logger.warning(
         "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
