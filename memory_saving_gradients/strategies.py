@@ -47,7 +47,7 @@ Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
 #: Plans simulated while looking for the one that fits a budget, at most.
 BUDGET_BISECTIONS = 6
 #: Model peaks tried between one level's least and the least any cuts allow, bisected.
-LEAST_PEAK_BISECTIONS = 12
+LEAST_PEAK_BISECTIONS = 6
 #: 'memory' takes the plan recomputing least among those whose predicted peak is within this
 #: fraction of the least: a level of nesting costs about one more forward pass.
 NESTING_GAIN = 0.03
@@ -272,11 +272,12 @@ def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) ->
 
 
 def balanced(view: ForwardView) -> Plan:
-    """The plan recomputing least whose predicted peak is 'memory''s plus a third of what
-    'memory' saves: most of the savings for less recomputation (the longest final part of
+    """The plan recomputing least whose predicted peak is one level's least plus a third of
+    what that saves: most of the savings for less recomputation (the longest final part of
     the forward pass that fits is not recomputed at all)."""
-    least = memory(view)
-    plain = least.plain_peak_bytes
+    order = planner.Order.of(view, view.costs)
+    plain = footprint.plain_peak(view)
+    least = Plan(view, planner.checkpoints_of(order, planner.smallest_peak(order)[0]), "", plain)
     return _within_budget(
         view, least.peak_bytes + (plain - least.peak_bytes) / 3, plain, "'balanced'"
     )
