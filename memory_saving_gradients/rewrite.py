@@ -292,7 +292,7 @@ def checkpointed_gradients(
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
 # gradient exists, and a weight gradient exists before the data gradient beside it (NOTE
 # [weight gradients first]), which still reads the variable's value. A variable whose buffer
-# is still read cannot be updated in place: TensorFlow copies it to a new buffer (16 of 16
+# is still read cannot be updated in place: TensorFlow copies it to a new buffer (15 of 16
 # updates of an SGD step on a 16-layer chain), a transient the size of the variable, and the
 # variables move in memory every step, so the allocator's free blocks, and its peak, differ
 # from step to step. So each x's gradient is passed on only once every op of this backward

@@ -137,7 +137,8 @@ class MemoryBudget:
     and their inner parts recomputed once more, each level costing about one more forward
     pass (on chains, down to O(log n) activations; 'memory' takes the least of those). Pass
     it wherever `checkpoints` is accepted, e.g. `checkpoints=MemoryBudget(0.25)` or
-    `MemoryBudget(bytes=12 * 2**30)`. At a budget no plan fits, the smallest predicted
+    `MemoryBudget(bytes=12 * 2**30)`. Plans keep the largest recomputed tensor free beside
+    the budget (`_headroom`). At a budget no plan fits, the smallest predicted
     peak's plan is used and that peak is logged; at or above plain backprop's peak nothing is
     recomputed.
     """
@@ -277,7 +278,8 @@ def balanced(view: ForwardView) -> Plan:
     the forward pass that fits is not recomputed at all)."""
     order = planner.Order.of(view, view.costs)
     plain = footprint.plain_peak(view)
-    least = Plan(view, planner.checkpoints_of(order, planner.smallest_peak(order)[0]), "", plain)
+    flat, _ = planner.smallest_peak(order)
+    least = Plan(view, planner.checkpoints_of(order, flat), "one level", plain)
     return _within_budget(
         view, least.peak_bytes + (plain - least.peak_bytes) / 3, plain, "'balanced'"
     )
