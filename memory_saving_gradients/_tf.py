@@ -307,6 +307,11 @@ def add_control_inputs(op: tf.Operation, control_ops: Iterable[tf.Operation]) ->
         op._add_control_inputs(missing)
 
 
+def creation_index(op: tf.Operation) -> int:
+    """Where `op` was created in its graph: ops made later have larger indices."""
+    return op._id
+
+
 def is_stateful(op: tf.Operation) -> bool:
     """Whether running `op` twice may give different results or side effects."""
     return op._is_stateful

@@ -478,7 +478,9 @@ def _nested_step(run, segment, ends, inner, deeper, chain, inherited) -> None:
     """A step recomputing `segment` (up to its boundaries `ends`) while keeping only its
     `inner` checkpoints: the last inner segment is differentiated as recomputed, the others
     are recomputed once more."""
-    schedule = Schedule.build(ForwardView.build(ends, list(segment.frontier)), inner)
+    schedule = Schedule.build(
+        ForwardView.build(ends, list(segment.frontier), through_xs=False), inner
+    )
     segments = [s for s in _segments(schedule) if s.ops]
     last = run.positions((schedule.last.ops | schedule.last.originals) & segment.ops)
     recomputed = run.positions(segment.ops)

@@ -12,6 +12,8 @@ import networkx as nx
 import numpy as np
 import tensorflow as tf
 
+from memory_saving_gradients import _tf
+
 #: Elements assumed for a dimension whose static size is unknown (usually the batch).
 UNKNOWN_DIM_SIZE = 64
 
@@ -69,10 +71,6 @@ def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
     across any point of the order few (the checkpoint planner relies on that). The back edges
     of TF1 while loops are left out, as TensorFlow's own executor leaves them out.
     """
-    if not ops:
-        return []
-    graph = next(iter(ops)).graph
-    creation_index = {op: i for i, op in enumerate(graph.get_operations())}
     dependencies = nx.DiGraph()
     dependencies.add_nodes_from(ops)
     dependencies.add_edges_from(
@@ -81,7 +79,7 @@ def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
         for tensor in op.inputs
         if tensor.op in dependencies and tensor.op.type not in BACK_EDGE_TYPES
     )
-    return list(nx.lexicographical_topological_sort(dependencies, key=creation_index.__getitem__))
+    return list(nx.lexicographical_topological_sort(dependencies, key=_tf.creation_index))
 
 
 def num_elements(tensor: tf.Tensor) -> int:

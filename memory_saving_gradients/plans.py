@@ -127,7 +127,7 @@ def _recomputed(view: ForwardView, schedule: Schedule, nested) -> float:
         inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
         if inner:
             ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
-            sub = ForwardView.build(ends, list(segment.frontier))
+            sub = ForwardView.build(ends, list(segment.frontier), through_xs=False)
             total += _recomputed(sub, Schedule.build(sub, inner), nested[1:])
     return total
 

@@ -279,7 +279,9 @@ def checkpointed_gradients(
                         *_copied(options.stop_gradients, copies),
                     ),
                 )
-                inner_view = ForwardView.build(ys, [target.tensor for target in targets])
+                inner_view = ForwardView.build(
+                    ys, [target.tensor for target in targets], through_xs=False
+                )
                 gradients = checkpointed_gradients(inner_view, inner, incoming, inner_options)
                 backprop.receive(targets, gradients)
             else:

@@ -158,13 +158,22 @@ class ForwardView:
         xs: Sequence[tf.Tensor],
         given_grad_ys: bool = False,
         gradients_held: bool = False,
+        through_xs: bool = True,
     ) -> ForwardView:
-        """Analyse the graph between `xs` and `ys` (tensors of one graph)."""
-        reaching_ys = graph.backward_ops(y.op for y in ys)
+        """Analyse the graph between `xs` and `ys` (tensors of one graph).
+
+        Like `tf.gradients`, the view holds the ops on paths from one x through another to
+        the ys. A segment's view, whose xs are the boundaries it is recomputed from, passes
+        `through_xs=False`: nothing behind its boundaries is recomputed with it, and the walk
+        then stays inside the segment rather than crossing the whole graph.
+        """
+        xs_refs = {x.ref() for x in xs}
+        reaching_ys = graph.backward_ops(
+            (y.op for y in ys), stop_at=None if through_xs else (lambda t: t.ref() in xs_refs)
+        )
         between = graph.forward_ops(xs, within=reaching_ys)
         ordered = graph.topological_order(between)
         xs_ops = frozenset(x.op for x in xs)
-        xs_refs = {x.ref() for x in xs}
         recomputable = set()
         for op in ordered:
             reason = why_not_recomputable(op, xs_ops)

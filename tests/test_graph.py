@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from memory_saving_gradients import graph
+from memory_saving_gradients.view import ForwardView
 
 tf1 = tf.compat.v1
 
@@ -65,3 +66,14 @@ def test_sizes_count_unknown_dimensions_as_64():
         assert graph.num_elements(x) == 4 * graph.UNKNOWN_DIM_SIZE
         assert graph.size_in_bytes(tf.cast(x, tf.float16)) == 2 * 4 * graph.UNKNOWN_DIM_SIZE
         assert graph.size_in_bytes(tf.zeros([10, 10], tf.float64)) == 800
+
+
+def test_segment_views_stop_at_their_boundaries():
+    """Like tf.gradients, a view holds the ops from one x through another to the ys; a
+    segment's view (`through_xs=False`) holds only those after its boundaries."""
+    with tf.Graph().as_default():
+        t = diamond()
+        full = ForwardView.build([t["d"]], [t["x"], t["b"]])
+        segment = ForwardView.build([t["d"]], [t["x"], t["b"]], through_xs=False)
+    assert names(full.ops) == ["a", "b", "c", "d"]
+    assert names(segment.ops) == ["a", "c", "d"]

@@ -214,6 +214,16 @@ def test_add_control_inputs_skips_existing_ones():
         assert c.op.control_inputs == [a.op, b.op]
 
 
+def test_creation_index_follows_creation_order():
+    with tf.Graph().as_default() as graph:
+        a = tf.constant(1.0)
+        b = tf.tanh(a)
+        c = tf.sin(b)
+        ops = graph.get_operations()
+    assert [_tf.creation_index(op) for op in ops] == sorted(_tf.creation_index(op) for op in ops)
+    assert _tf.creation_index(a.op) < _tf.creation_index(b.op) < _tf.creation_index(c.op)
+
+
 def test_is_stateful():
     with tf.Graph().as_default():
         assert _tf.is_stateful(tf.random.uniform([2]).op)
