@@ -19,7 +19,10 @@ Below that, segments are cut again (nested recomputation): a segment recomputed 
 cuts holds only those and one inner segment at a time, and its inner segments are recomputed
 once more when backprop reaches them. Top-level cuts are then chosen for a larger peak, each
 segment is planned within what the cuts before it leave, recursively, and of the candidates
-that fit, the one recomputing least wins. Each level costs about one more forward pass and
+that fit, the one recomputing least wins. The search drops candidates as soon as they
+recompute more than the best so far, stops raising the top-level peak once that does no
+better, and reuses what it found for a segment, which it meets again under many top-level
+cuts. Each level costs about one more forward pass and
 takes the square root of what it holds, so a few levels reach O(log n) activations on chains.
 """
 
@@ -79,6 +82,8 @@ class Order:
         `made` and `last` give the positions of the producer and of the last reader (the
         view's ys live to the end), `weight` the bytes a cut pays to keep each (less a tie
         break for tensors backprop would not hold anyway).
+      searched: what `within` found so far for each segment and nesting, which it reuses (a
+        nested search meets the same segments under many top-level cuts).
     """
 
     ops: tuple[tf.Operation, ...]
@@ -89,6 +94,9 @@ class Order:
     made: np.ndarray
     last: np.ndarray
     weight: np.ndarray
+    searched: dict[tuple[int, int, int], list[_Searched]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def of(cls, view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> Order:
@@ -162,41 +170,100 @@ def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple
 
 
 def within(
-    order: Order, peak: float, start: int = 0, end: int | None = None, nesting: int = MAX_NESTING
+    order: Order,
+    peak: float,
+    start: int = 0,
+    end: int | None = None,
+    nesting: int = MAX_NESTING,
+    bound: float = np.inf,
 ) -> Cuts | None:
     """The cuts of ops [start, end) that recompute least while the model peak stays within
-    `peak`, nesting up to `nesting` levels inside; None if none fit."""
+    `peak`, nesting up to `nesting` levels inside; None if none fit, or none recomputes less
+    than `bound` (the search drops plans that cannot beat the best one found so far)."""
     end = len(order.ops) if end is None else end
+    if peak < order.least_peak(start, end):
+        return None
+    searched = order.searched.setdefault((start, end, nesting), [])
+    for earlier in searched:
+        if (known := earlier.answer(peak, bound)) is not _UNKNOWN:
+            return known
+    cuts = _search(order, peak, start, end, nesting, bound)
+    work = None if cuts is None else recompute_flops(order, cuts, start, end)
+    searched.append(_Searched(peak, bound, cuts, work))
+    return cuts
+
+
+_UNKNOWN = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Searched:
+    """What `within` found for one segment and nesting at a peak, below a bound: `cuts`
+    recomputing `work`, or None.
+
+    Where none recomputing less than `bound` fit `peak`, none fit a smaller peak below a
+    smaller bound. Cuts found are reused at the same peak only: the search tries top-level
+    peaks in proportion to the target, so at a smaller target it may find cheaper cuts than
+    it did at a larger one.
+    """
+
+    peak: float
+    bound: float
+    cuts: Cuts | None
+    work: float | None
+
+    def answer(self, peak: float, bound: float) -> Cuts | object | None:
+        if self.cuts is None:
+            return None if peak <= self.peak and bound <= self.bound else _UNKNOWN
+        if peak == self.peak:
+            return self.cuts if self.work < bound else None
+        return _UNKNOWN
+
+
+def _search(order, peak, start, end, nesting, bound) -> Cuts | None:
+    """`within`, searched: one level if it fits, else top-level cuts for ever larger peaks
+    (`NESTING_SCALES`) with their segments planned within the target in turn, until a peak
+    does no better than the one before (larger top-level peaks leave larger segments to nest,
+    and recompute more from there on)."""
     held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
     flat = _cuts_within(held, gradients, cut_cost, peak, longest_last_segment=True)
     if flat is not None or nesting == 0 or end - start < 3:
-        return None if flat is None else _flat(flat, start)
-    best, best_work = None, np.inf
+        if flat is None:
+            return None
+        cuts = _flat(flat, start)
+        return cuts if recompute_flops(order, cuts, start, end) < bound else None
+    best = None
     for scale in NESTING_SCALES:
         top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
-        if top is None or not top:
+        if not top:
             continue
-        plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1)
-        if plan is not None and (work := recompute_flops(order, plan, start, end)) < best_work:
-            best, best_work = plan, work
+        plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, bound)
+        if plan is not None:
+            best, bound = plan, recompute_flops(order, plan, start, end)
+        elif best is not None:
+            break
     return best
 
 
-def _nest(order, start, end, top, cut_cost, peak, nesting) -> Cuts | None:
+def _nest(order, start, end, top, cut_cost, peak, nesting, bound) -> Cuts | None:
     """`top` cuts with each segment but the last (which already fits) planned within what the
-    cuts before it leave of `peak`."""
+    cuts before it leave of `peak`, if together they recompute less than `bound`."""
     bounds = [start, *(start + c + 1 for c in top), end]
     spent = np.concatenate([[0.0], np.cumsum(cut_cost[top])])
+    work = order.flops[start : bounds[-2]].sum()
     inner: list[Cuts | None] = []
     for j in range(len(bounds) - 1):
+        if work >= bound:
+            return None
         a, b = bounds[j], bounds[j + 1]
         if j == len(bounds) - 2 or spent[j] + order.segment_peak(a, b) <= peak:
             inner.append(None)
             continue
-        nested = within(order, peak - spent[j], a, b, nesting)
+        nested = within(order, peak - spent[j], a, b, nesting, bound - work)
         if nested is None:
             return None
+        work += recompute_flops(order, nested, a, b)
         inner.append(nested)
     return Cuts(tuple(start + c for c in top), tuple(inner))
 
@@ -305,29 +372,36 @@ def _cuts_within(
     if n == 0:
         return []
     held_before = np.concatenate([[0.0], np.cumsum(held)])
-    spent = np.zeros(n)
-    previous = np.zeros(n, dtype=int)
-    fits = np.zeros(n, dtype=bool)
+    # Plain floats and lists: the loop reads one element at a time, where numpy's are slow.
+    limits = (peak - held_before[1:] - gradients).tolist()
+    slack_base = held_before.tolist()
+    costs_ = cut_cost.tolist()
+    spent = [0.0] * n
+    previous = [0] * n
+    fits = [False] * n
     by_slack: list[tuple[float, int]] = []  # (-(spent - held_before), state): least slack first
     by_cost: list[tuple[float, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
     fits[0] = True
-    heapq.heappush(by_slack, (0.0, 0))
-    heapq.heappush(by_cost, (0.0, 0))
+    push(by_slack, (0.0, 0))
+    push(by_cost, (0.0, 0))
     for i in range(n):
-        limit = peak - held_before[i + 1] - gradients[i]
+        limit = limits[i]
         while by_slack and -by_slack[0][0] > limit:
-            fits[heapq.heappop(by_slack)[1]] = False
+            fits[pop(by_slack)[1]] = False
         while by_cost and not fits[by_cost[0][1]]:
-            heapq.heappop(by_cost)
+            pop(by_cost)
         if not by_cost:
             return None
         if i == n - 1:
             break
-        spent[i + 1] = by_cost[0][0] + cut_cost[i]
-        previous[i + 1] = by_cost[0][1]
+        cheapest, state = by_cost[0]
+        spent[i + 1] = cost = cheapest + costs_[i]
+        previous[i + 1] = state
         fits[i + 1] = True
-        heapq.heappush(by_slack, (-(spent[i + 1] - held_before[i + 1]), i + 1))
-        heapq.heappush(by_cost, (spent[i + 1], i + 1))
+        push(by_slack, (slack_base[i + 1] - cost, i + 1))
+        push(by_cost, (cost, i + 1))
+    spent, fits = np.array(spent), np.array(fits)
     if last_peak is not None:
         reached = np.maximum.accumulate((held_before[1:] + gradients)[::-1])[::-1]
         fits &= spent + reached - held_before[:n] <= last_peak

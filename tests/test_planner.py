@@ -83,6 +83,16 @@ def chain_view(n, width=100):
     return ForwardView.build([tf.reduce_sum(h)], [x])
 
 
+def residual_view(n, width=100):
+    """n blocks of `h = h + tanh(h * 1.5)`: every cut holds the block's input, which the
+    block's add reads again."""
+    x = tf1.placeholder(tf.float32, [width])
+    h = x
+    for _ in range(n):
+        h = h + tf.tanh(h * 1.5)
+    return ForwardView.build([tf.reduce_sum(h)], [x])
+
+
 def order_of(view):
     return planner.Order.of(view, view.costs)
 
@@ -147,6 +157,22 @@ def test_a_peak_below_any_nesting_is_refused():
     with tf.Graph().as_default():
         order = order_of(chain_view(64))
     assert planner.within(order, 0.5 * order.held.max()) is None
+
+
+def test_search_reuses_what_it_found_without_changing_answers():
+    """`within` answers from what it searched before on the same order (the nested search
+    meets the same segments under many top-level cuts): a sweep of peaks gives the same cuts
+    on one order as on a fresh order for each peak."""
+    with tf.Graph().as_default():
+        view = residual_view(48)
+        shared = order_of(view)
+        _, smallest = planner.smallest_peak(shared)
+        peaks = [smallest * f for f in (0.9, 0.5, 0.7, 0.4, 0.6, 0.45, 0.9, 0.3, 1.2)]
+        answers = [planner.within(shared, peak) for peak in peaks]
+        fresh = [planner.within(order_of(view), peak) for peak in peaks]
+    assert answers == fresh
+    assert any(cuts is not None and cuts.levels >= 3 for cuts in answers)
+    assert shared.searched
 
 
 def test_tiny_graph_gets_no_cuts():
