@@ -22,8 +22,8 @@ segment is planned within what the cuts before it leave, recursively, and of the
 that fit, the one recomputing least wins. The search drops candidates as soon as they
 recompute more than the best so far, stops raising the top-level peak once that does no
 better, and reuses what it found for a segment, which it meets again under many top-level
-cuts. Each level costs about one more forward pass and
-takes the square root of what it holds, so a few levels reach O(log n) activations on chains.
+cuts. Each level costs about one more forward pass and takes the square root of what it
+holds, so a few levels reach O(log n) activations on chains.
 """
 
 from __future__ import annotations
