@@ -48,6 +48,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     is in: it is placed exactly like the original. `name` is made unique by the graph.
     """
     graph = op.graph
+    node_def = op.node_def  # serialized on each access
     with _outside_caller_scopes(graph):
         copy = graph._create_op_internal(
             op.type,
@@ -55,7 +56,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
             dtypes=[out.dtype for out in op.outputs],
             input_types=[t.dtype for t in op.inputs],
             name=name,
-            attrs={key: op.node_def.attr[key] for key in op.node_def.attr},
+            attrs=dict(node_def.attr),
             op_def=op.op_def,
             compute_device=False,
         )
