@@ -175,21 +175,21 @@ def within(
     start: int = 0,
     end: int | None = None,
     nesting: int = MAX_NESTING,
-    bound: float = np.inf,
+    cheaper_than: float = np.inf,
 ) -> Cuts | None:
     """The cuts of ops [start, end) that recompute least while the model peak stays within
     `peak`, nesting up to `nesting` levels inside; None if none fit, or none recomputes less
-    than `bound` (the search drops plans that cannot beat the best one found so far)."""
+    than `cheaper_than` (the search drops plans that cannot beat the best one found so far)."""
     end = len(order.ops) if end is None else end
     if peak < order.least_peak(start, end):
         return None
     searched = order.searched.setdefault((start, end, nesting), [])
     for earlier in searched:
-        if (known := earlier.answer(peak, bound)) is not _UNKNOWN:
+        if (known := earlier.answer(peak, cheaper_than)) is not _UNKNOWN:
             return known
-    cuts = _search(order, peak, start, end, nesting, bound)
+    cuts = _search(order, peak, start, end, nesting, cheaper_than)
     work = None if cuts is None else recompute_flops(order, cuts, start, end)
-    searched.append(_Searched(peak, bound, cuts, work))
+    searched.append(_Searched(peak, cheaper_than, cuts, work))
     return cuts
 
 
@@ -198,29 +198,28 @@ _UNKNOWN = object()
 
 @dataclasses.dataclass(frozen=True)
 class _Searched:
-    """What `within` found for one segment and nesting at a peak, below a bound: `cuts`
-    recomputing `work`, or None.
+    """What `within` found for one segment and nesting at `peak`, among cuts recomputing less
+    than `cheaper_than`: `cuts` recomputing `work`, or None.
 
-    Where none recomputing less than `bound` fit `peak`, none fit a smaller peak below a
-    smaller bound. Cuts found are reused at the same peak only: the search tries top-level
-    peaks in proportion to the target, so at a smaller target it may find cheaper cuts than
-    it did at a larger one.
+    Where none fit, none fit a smaller peak among cuts recomputing less still. Cuts found are
+    reused at the same peak only: the search tries top-level peaks in proportion to the
+    target, so at a smaller target it may find cheaper cuts than it did at a larger one.
     """
 
     peak: float
-    bound: float
+    cheaper_than: float
     cuts: Cuts | None
     work: float | None
 
-    def answer(self, peak: float, bound: float) -> Cuts | object | None:
+    def answer(self, peak: float, cheaper_than: float) -> Cuts | object | None:
         if self.cuts is None:
-            return None if peak <= self.peak and bound <= self.bound else _UNKNOWN
+            return None if peak <= self.peak and cheaper_than <= self.cheaper_than else _UNKNOWN
         if peak == self.peak:
-            return self.cuts if self.work < bound else None
+            return self.cuts if self.work < cheaper_than else None
         return _UNKNOWN
 
 
-def _search(order, peak, start, end, nesting, bound) -> Cuts | None:
+def _search(order, peak, start, end, nesting, cheaper_than) -> Cuts | None:
     """`within`, searched: one level if it fits, else top-level cuts for ever larger peaks
     (`NESTING_SCALES`) with their segments planned within the target in turn, until a peak
     does no better than the one before (larger top-level peaks leave larger segments to nest,
@@ -232,35 +231,35 @@ def _search(order, peak, start, end, nesting, bound) -> Cuts | None:
         if flat is None:
             return None
         cuts = _flat(flat, start)
-        return cuts if recompute_flops(order, cuts, start, end) < bound else None
+        return cuts if recompute_flops(order, cuts, start, end) < cheaper_than else None
     best = None
     for scale in NESTING_SCALES:
         top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
         if not top:
             continue
-        plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, bound)
+        plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, cheaper_than)
         if plan is not None:
-            best, bound = plan, recompute_flops(order, plan, start, end)
+            best, cheaper_than = plan, recompute_flops(order, plan, start, end)
         elif best is not None:
             break
     return best
 
 
-def _nest(order, start, end, top, cut_cost, peak, nesting, bound) -> Cuts | None:
+def _nest(order, start, end, top, cut_cost, peak, nesting, cheaper_than) -> Cuts | None:
     """`top` cuts with each segment but the last (which already fits) planned within what the
-    cuts before it leave of `peak`, if together they recompute less than `bound`."""
+    cuts before it leave of `peak`, if together they recompute less than `cheaper_than`."""
     bounds = [start, *(start + c + 1 for c in top), end]
     spent = np.concatenate([[0.0], np.cumsum(cut_cost[top])])
     work = order.flops[start : bounds[-2]].sum()
     inner: list[Cuts | None] = []
     for j in range(len(bounds) - 1):
-        if work >= bound:
+        if work >= cheaper_than:
             return None
         a, b = bounds[j], bounds[j + 1]
         if j == len(bounds) - 2 or spent[j] + order.segment_peak(a, b) <= peak:
             inner.append(None)
             continue
-        nested = within(order, peak - spent[j], a, b, nesting, bound - work)
+        nested = within(order, peak - spent[j], a, b, nesting, cheaper_than - work)
         if nested is None:
             return None
         work += recompute_flops(order, nested, a, b)
