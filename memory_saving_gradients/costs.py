@@ -119,9 +119,10 @@ _GRADIENT_USES: dict[tuple, GradientUse | None] = {}
 def gradient_use(op: tf.Operation) -> GradientUse | None:
     """What `op`'s registered gradient reads and makes (None where unknown), found once for
     each kind of op: type, attributes, input dtypes and shapes."""
+    attrs = op.node_def.attr  # the NodeDef is serialized on each access
     key = (
         op.type,
-        tuple((k, op.node_def.attr[k].SerializeToString()) for k in sorted(op.node_def.attr)),
+        tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
         tuple((t.dtype, None if t.shape.rank is None else tuple(t.shape)) for t in op.inputs),
     )
     if key not in _GRADIENT_USES:
