@@ -187,8 +187,7 @@ def within(
     for earlier in searched:
         if (known := earlier.answer(peak, cheaper_than)) is not _UNKNOWN:
             return known
-    cuts = _search(order, peak, start, end, nesting, cheaper_than)
-    work = None if cuts is None else recompute_flops(order, cuts, start, end)
+    cuts, work = _search(order, peak, start, end, nesting, cheaper_than)
     searched.append(_Searched(peak, cheaper_than, cuts, work))
     return cuts
 
@@ -199,7 +198,7 @@ _UNKNOWN = object()
 @dataclasses.dataclass(frozen=True)
 class _Searched:
     """What `within` found for one segment and nesting at `peak`, among cuts recomputing less
-    than `cheaper_than`: `cuts` recomputing `work`, or None.
+    than `cheaper_than`: `cuts` recomputing `work`, or None (and infinite work).
 
     Where none fit, none fit a smaller peak among cuts recomputing less still. Cuts found are
     reused at the same peak only: the search tries top-level peaks in proportion to the
@@ -209,7 +208,7 @@ class _Searched:
     peak: float
     cheaper_than: float
     cuts: Cuts | None
-    work: float | None
+    work: float
 
     def answer(self, peak: float, cheaper_than: float) -> Cuts | object | None:
         if self.cuts is None:
@@ -219,30 +218,32 @@ class _Searched:
         return _UNKNOWN
 
 
-def _search(order, peak, start, end, nesting, cheaper_than) -> Cuts | None:
-    """`within`, searched: one level if it fits, else top-level cuts for ever larger peaks
-    (`NESTING_SCALES`) with their segments planned within the target in turn, until a peak
-    does no better than the one before (larger top-level peaks leave larger segments to nest,
-    and recompute more from there on)."""
+def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None, float]:
+    """`within`, searched, with what the cuts found recompute: one level if it fits, else
+    top-level cuts for ever larger peaks (`NESTING_SCALES`) with their segments planned within
+    the target in turn, until a peak does no better than the one before (larger top-level
+    peaks leave larger segments to nest, and recompute more from there on)."""
     held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
     flat = _cuts_within(held, gradients, cut_cost, peak, longest_last_segment=True)
     if flat is not None or nesting == 0 or end - start < 3:
         if flat is None:
-            return None
+            return None, np.inf
         cuts = _flat(flat, start)
-        return cuts if recompute_flops(order, cuts, start, end) < cheaper_than else None
-    best = None
+        work = recompute_flops(order, cuts, start, end)
+        return (cuts, work) if work < cheaper_than else (None, np.inf)
+    best, work = None, np.inf
     for scale in NESTING_SCALES:
         top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
         if not top:
             continue
         plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, cheaper_than)
         if plan is not None:
-            best, cheaper_than = plan, recompute_flops(order, plan, start, end)
+            best, work = plan, recompute_flops(order, plan, start, end)
+            cheaper_than = work
         elif best is not None:
             break
-    return best
+    return best, work
 
 
 def _nest(order, start, end, top, cut_cost, peak, nesting, cheaper_than) -> Cuts | None:
