@@ -12,8 +12,10 @@ taken to read every input and output and to make new input gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -59,6 +61,56 @@ def tensor_bytes(tensor: tf.Tensor) -> int:
     return num_elements(tensor) * itemsize
 
 
+#: Contractions whose CPU kernels compute float16 in float32: while one runs it holds a float32
+#: copy of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
+#: [512, 1024] MatMul holds 14 MiB beside its 4 MiB output). bfloat16 runs natively in
+#: oneDNN, but a MatMul fused with the BiasAdd after it (grappler's remapper) holds its result
+#: in float32.
+HALF_IN_FLOAT32_ON_CPU = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def runs_cpu_kernels(op: tf.Operation) -> bool:
+    """Whether `op` runs on TensorFlow's own CPU kernels: placed on a CPU, or unplaced where
+    no GPU is visible, and not compiled by XLA."""
+    if _tf.compiled_by_xla(op.graph):
+        return False
+    device_type = tf.DeviceSpec.from_string(op.device).device_type if op.device else None
+    return device_type == "CPU" if device_type else not _gpus_visible()
+
+
+@functools.cache
+def _gpus_visible() -> bool:
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def kernels_side_by_side() -> bool:
+    """Whether the executor may run two ready kernels at once: its inter-op pool has more
+    than one thread (by default one per core). A Session's own thread pool is not seen."""
+    threads = tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
+    return threads > 1
+
+
+def working_bytes(
+    op_type: str,
+    inputs: Sequence[tuple[tf.DType, int]],
+    output_bytes: Sequence[int],
+    cpu: bool,
+    before_bias_add: bool = False,
+) -> int:
+    """Bytes an op's kernel allocates for itself while it runs, beyond its outputs, given the
+    dtype and bytes of each input, the bytes of each output, whether it runs on CPU kernels
+    and whether a BiasAdd alone reads its output: float32 copies for half-precision
+    contractions (`HALF_IN_FLOAT32_ON_CPU`). Other kernels' scratch space is not counted:
+    float16 convolution gradients on CPU hold some 25-30 MiB, whatever their shapes."""
+    if not cpu or op_type not in HALF_IN_FLOAT32_ON_CPU or not inputs:
+        return 0
+    if inputs[0][0] == tf.float16:
+        return 2 * (sum(size for _, size in inputs) + sum(output_bytes))
+    if inputs[0][0] == tf.bfloat16 and op_type == "MatMul" and before_bias_add:
+        return 2 * sum(output_bytes)
+    return 0
+
+
 #: Ops whose output is the shape of their input: a constant where that shape is static.
 SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 #: Ops that read only the shape of a tensor, which does not keep it alive for backprop.
@@ -77,6 +129,7 @@ class GradientStep:
       aliases: its output is its first input's buffer (reshapes, identities).
       folded: it gives a shape that is static, so graph optimizers compute it ahead.
       reuses_input: its output may take over an input buffer nothing else needs.
+      working: bytes its kernel holds for itself while it runs (`working_bytes`).
     """
 
     outputs: tuple[int, ...]
@@ -85,6 +138,7 @@ class GradientStep:
     aliases: bool
     folded: bool
     reuses_input: bool
+    working: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,20 +172,23 @@ _GRADIENT_USES: dict[tuple, GradientUse | None] = {}
 
 def gradient_use(op: tf.Operation) -> GradientUse | None:
     """What `op`'s registered gradient reads and makes (None where unknown), found once for
-    each kind of op: type, attributes, input dtypes and shapes."""
+    each kind of op: type, attributes, input dtypes and shapes, and whether it runs on CPU
+    kernels."""
     attrs = op.node_def.attr  # the NodeDef is serialized on each access
+    cpu = runs_cpu_kernels(op)
     key = (
         op.type,
         tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
         tuple((t.dtype, None if t.shape.rank is None else tuple(t.shape)) for t in op.inputs),
+        cpu,
     )
     if key not in _GRADIENT_USES:
         aside = _tf.gradient_aside(op)
-        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside)
+        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu)
     return _GRADIENT_USES[key]
 
 
-def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
+def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> GradientUse:
     ops = aside.graph.get_operations()
     runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
     runtime.update(id(inner) for inner in aside.read.values())
@@ -143,15 +200,18 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside) -> GradientUse:
         runtime.update(id(t) for t in body_op.outputs)
         shape_read = body_op.type in SHAPE_READERS
         step_of[body_op] = len(steps)
+        sizes = tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs)
+        read_bytes = [(t.dtype, size_of.get(id(t), tensor_bytes(t))) for t in body_op.inputs]
         steps.append(
             GradientStep(
                 outputs=tuple(id(t) for t in body_op.outputs),
-                sizes=tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs),
+                sizes=sizes,
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
                 aliases=body_op.type in ALIASING,
                 folded=body_op.type in SHAPE_OF
                 and all(t.shape.is_fully_defined() for t in body_op.inputs),
                 reuses_input=body_op.type in REUSES_INPUT_BUFFER,
+                working=working_bytes(body_op.type, read_bytes, sizes, cpu),
             )
         )
     captured = tuple(
@@ -227,6 +287,7 @@ class OpCost:
         taken to read every input and output and to make new input gradients.
       reuses_input: whether its output may take over an input buffer nothing else needs.
       aliases: its outputs are its first input's buffer (reshapes, identities).
+      working: bytes its kernel holds for itself while it runs (`working_bytes`).
       flops: its compute.
     """
 
@@ -237,6 +298,7 @@ class OpCost:
     gradient: GradientUse | None
     reuses_input: bool
     aliases: bool
+    working: int
     flops: float
 
 
@@ -252,15 +314,29 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
         wanted = [r for r, want in zip(use.reads, needed, strict=True) if want]
         saved_inputs = sorted(set().union(*(r[0] for r in wanted)))
         saved_outputs = sorted(set().union(*(r[1] for r in wanted)))
+    output_bytes = tuple(0 if free else tensor_bytes(t) for t in op.outputs)
     return OpCost(
-        output_bytes=tuple(0 if free else tensor_bytes(t) for t in op.outputs),
+        output_bytes=output_bytes,
         saved_inputs=tuple(saved_inputs),
         saved_outputs=tuple(saved_outputs),
         needed=tuple(needed),
         gradient=use,
         reuses_input=op.type in REUSES_INPUT_BUFFER,
         aliases=op.type in ALIASING,
+        working=_working_bytes(op, output_bytes),
         flops=flops(op),
+    )
+
+
+def _working_bytes(op: tf.Operation, output_bytes: Sequence[int]) -> int:
+    if op.type not in HALF_IN_FLOAT32_ON_CPU or not runs_cpu_kernels(op):
+        return 0
+    return working_bytes(
+        op.type,
+        [(t.dtype, tensor_bytes(t)) for t in op.inputs],
+        output_bytes,
+        cpu=True,
+        before_bias_add=[c.type for c in op.outputs[0].consumers()] == ["BiasAdd"],
     )
 
 

@@ -20,7 +20,10 @@ has run (NOTE [updates after reads] in rewrite.py), updates the variable in plac
 and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
 counted.
 What a gradient computes from constants alone (the seed of the loss, static shapes) is folded
-ahead of the step, as graph optimizers do.
+ahead of the step, as graph optimizers do. A kernel's own buffers (`costs.working_bytes`) are
+alive while it runs, beside its inputs and outputs; with more than one inter-op thread,
+those of one gradient's kernels together (the two products of a MatMul's gradient are ready
+at once, and the executor runs them side by side).
 
 With checkpoints, the forward pass keeps only the boundaries and what the last segment's
 gradients read; each step then recomputes its segments into new buffers (with nested
@@ -85,6 +88,8 @@ class _Run:
         self.gradient_steps: dict[tuple, tuple] = {}
         self.alive = 0
         self.peak = 0
+        #: Whether the kernels of one gradient run side by side (`costs.kernels_side_by_side`).
+        self.side_by_side = costs.kernels_side_by_side()
         #: The buffer of each tensor at each copy level, by level.
         self.buffers: list[dict[int, _Buffer | None]] = [{}]
         #: Gradient parts received for each tensor, not summed yet.
@@ -107,6 +112,10 @@ class _Run:
         self.alive += size
         self.peak = max(self.peak, self.alive)
         return _Buffer(size)
+
+    def working(self, size: int) -> None:
+        """A kernel's own buffers of `size` bytes, held only while it runs."""
+        self.peak = max(self.peak, self.alive + size)
 
     def hold(self, buffer: _Buffer | None) -> _Buffer | None:
         if buffer is not None:
@@ -168,6 +177,7 @@ class _Run:
                 if buffer is not None:
                     buffer.holders += uses.get(t, 0)
                 at_level[t] = buffer
+            self.working(cost.working)
             for t in inputs:
                 if t in owned:
                     readers[t] -= 1
@@ -295,7 +305,7 @@ class _Run:
         key = (id(use), tuple(wanted))
         if key not in self.gradient_steps:
             self.gradient_steps[key] = _needed_steps(use, wanted)
-        steps, step_readers, returned = self.gradient_steps[key]
+        steps, step_readers, returned, working = self.gradient_steps[key]
         readers = dict(step_readers)
         made: set[int] = set()
         dying_ids = {id(b) for b in dying}
@@ -324,8 +334,11 @@ class _Run:
                     buffer = self.new(size)
                 value[t] = buffer
                 made.add(t)
+            if step.working and not folded:
+                self.working(working if self.side_by_side else step.working)
+            for t in step.outputs:
                 if t not in readers and t not in returned:
-                    self.release(buffer)
+                    self.release(value[t])
             for t in step.reads:
                 readers[t] -= 1
                 if readers[t] == 0 and t in made and t not in returned:
@@ -403,9 +416,9 @@ class _Run:
 
 def _needed_steps(
     use: costs.GradientUse, wanted: Sequence[bool]
-) -> tuple[list[costs.GradientStep], dict[int, int], frozenset[int]]:
+) -> tuple[list[costs.GradientStep], dict[int, int], frozenset[int], int]:
     """The steps of `use` that the `wanted` input gradients need, how many of them read each
-    tensor, and the tensors holding the wanted gradients."""
+    tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
     needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
     steps = [step for i, step in enumerate(use.steps) if i in needed]
     readers: dict[int, int] = {}
@@ -413,7 +426,7 @@ def _needed_steps(
         for t in step.reads:
             readers[t] = readers.get(t, 0) + 1
     returned = frozenset(r for r, want in zip(use.returned, wanted, strict=True) if want)
-    return steps, readers, returned
+    return steps, readers, returned, sum(step.working for step in steps)
 
 
 def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
