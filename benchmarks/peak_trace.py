@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", choices=list(zoo.ALL))
     parser.add_argument("config", choices=[c.strip("'") for c in determinism.CONFIGS])
-    parser.add_argument("--dtype", choices=["float32", "mixed_float16"], default="float32")
+    parser.add_argument(
+        "--dtype", choices=["float32", "mixed_float16", "mixed_bfloat16"], default="float32"
+    )
     parser.add_argument("--threads", type=int, default=2, help="inter-op threads")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="ops listed at the peak")
