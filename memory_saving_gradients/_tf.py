@@ -84,8 +84,9 @@ def gate(
     [gates under XLA]); `waits` are returned as they are.
     """
     graph = tensors[0].graph
+    xla = compiled_by_xla(graph)  # outside caller scopes, where XLA's context is cleared
     with _outside_caller_scopes(graph), tf_ops.name_scope(scope):
-        if compiled_by_xla(graph):
+        if xla:
             with graph.device(after.op.device):
                 zero = _xla_zero_computed_from([after, *waits])
             gated = [_minus_zero(tensor, zero) for tensor in tensors]
@@ -325,13 +326,22 @@ def is_resource_variable(value: object) -> bool:
 
 
 def in_v1_control_flow(op: tf.Operation) -> bool:
-    """Whether `op` lives inside a TF1 while loop or cond (Switch/Merge frames)."""
-    return op._get_control_flow_context() is not None
+    """Whether `op` lives inside a TF1 while loop or cond (Switch/Merge frames). The context
+    XLA compilation sets (`get_concrete_function` of a `jit_compile=True` function traces its
+    ops inside one) is no frame."""
+    context = op._get_control_flow_context()
+    while context is not None:
+        if context.IsWhileContext() or context.IsCondContext():
+            return True
+        context = context.outer_context
+    return False
 
 
 def compiled_by_xla(graph: tf.Graph) -> bool:
     """Whether `graph` (or a graph it is nested in) is being built for XLA compilation, as in
-    `tf.function(jit_compile=True)`."""
+    `tf.function(jit_compile=True)`. Where that is seen from XLA's control-flow context (a
+    `get_concrete_function` trace), it is not seen under `control_dependencies(None)`, which
+    clears that context."""
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 

@@ -244,6 +244,20 @@ def test_in_v1_control_flow():
         tf1.enable_control_flow_v2()
 
 
+def test_the_context_of_xla_compilation_is_no_v1_control_flow():
+    traced = []
+
+    @tf.function(jit_compile=True)
+    def compiled(x):
+        y = tf.tanh(x)
+        traced.append(y.op)
+        return y
+
+    compiled.get_concrete_function(tf.TensorSpec([2]))  # traced inside XLA's context
+    assert traced[0]._get_control_flow_context() is not None
+    assert not _tf.in_v1_control_flow(traced[0])
+
+
 def test_tensorflow_gradients_is_tensorflows_own_even_while_patched(monkeypatch):
     def broken(*args, **kwargs):
         raise AssertionError("the patched function must not be reached")

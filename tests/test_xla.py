@@ -221,6 +221,23 @@ def test_gradients_equal_plain_under_xla(model_fn, strategy):
     assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
 
 
+def test_concrete_functions_of_xla_steps_recompute_and_equal_plain():
+    """`get_concrete_function` of a `jit_compile=True` function traces its ops inside XLA's
+    control-flow context, which is no TF1 frame: they are recomputed as in a traced call."""
+    model = models.residual_chain()
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        ys, _ = model.forward(x)
+        got = msg.gradients(ys, model.variables, checkpoints="memory")
+        assert_recomputes(tf1.get_default_graph())
+        return tf.gradients(ys, model.variables), got
+
+    x = tf.constant(model.x)
+    reference, got = step.get_concrete_function(x)(x)
+    assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
+
+
 def test_random_ops_are_not_recomputed_under_xla():
     """Dropout without a seed: a recomputed mask would change the gradients."""
     model = models.dropout_chain()
