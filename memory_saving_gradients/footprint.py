@@ -48,12 +48,20 @@ from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import costs
+from memory_saving_gradients import _tf, costs
 from memory_saving_gradients.schedule import Schedule, Segment
 from memory_saving_gradients.view import ForwardView
 
 #: The copy level of the tensors the forward pass computes.
 ORIGINAL = 0
+#: Ops before which XLA materialises what a step reads through its gate, `x - 0`, as a copy
+#: (it fuses the subtraction into element-wise readers): NOTE [gates under XLA] in `_tf.py`.
+XLA_COPIES_BEFORE = frozenset(
+    {
+        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
+        "DepthwiseConv2dNative", "Einsum",
+    }
+)  # fmt: skip
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,6 +98,8 @@ class _Run:
         self.peak = 0
         #: Whether the kernels of one gradient run side by side (`costs.kernels_side_by_side`).
         self.side_by_side = costs.kernels_side_by_side()
+        #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
+        self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
         #: The buffer of each tensor at each copy level, by level.
         self.buffers: list[dict[int, _Buffer | None]] = [{}]
         #: Gradient parts received for each tensor, not summed yet.
@@ -134,6 +144,33 @@ class _Run:
             if tensor in at_level:
                 return at_level[tensor]
         return None
+
+    def gate_copies(
+        self, read: Iterable[int], ops: Sequence[int], chain: Sequence[int], inherited: frozenset
+    ) -> frozenset[int]:
+        """Under XLA, the copies a step recomputing `ops` at level `chain[0]` makes of the
+        tensors it reads through its gate (`read`) that a matmul or convolution among `ops`
+        reads (`XLA_COPIES_BEFORE`): weights and boundaries. Each lives at that level until
+        its last reader there; the step's last hold on an `inherited` original is given up
+        as it is copied. Returns the copied tensors, which the step releases as it does
+        what it inherits."""
+        if not self.xla:
+            return frozenset()
+        read = set(read)
+        copied = {
+            t
+            for op in ops
+            if self.view.ops[op].type in XLA_COPIES_BEFORE
+            for t in self.ids.inputs[op]
+            if t in read
+        }
+        at_level = self.buffers[chain[0]]
+        for t in sorted(copied):
+            original = self.buffer(t, chain)
+            at_level[t] = self.new(costs.tensor_bytes(self.ids.tensors[t]))
+            if t in inherited:
+                self.release(original)
+        return frozenset(copied)
 
     def positions(self, ops: Iterable[tf.Operation]) -> list[int]:
         """The positions of those of `ops` that are the view's, in topological order."""
@@ -477,35 +514,37 @@ def _steps(run: _Run, schedule, segments: Sequence[Segment], nested, outer: tupl
         inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
         if inner:
             ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
-            _nested_step(run, segment, ends, inner, nested[1:], chain, inherited)
+            _nested_step(run, segment, ends, inner, nested[1:], chain, frontier, inherited)
         else:
             recomputed = run.positions(segment.ops)
-            run.forward(recomputed, chain, run.uses(recomputed), inherited)
-            run.differentiate(_ops_of(run, segment), chain, recomputed, inherited)
+            released = inherited | run.gate_copies(frontier, recomputed, chain, inherited)
+            run.forward(recomputed, chain, run.uses(recomputed), released)
+            run.differentiate(_ops_of(run, segment), chain, recomputed, released)
         for t in frontier:
             if t not in inherited:
                 run.release(run.buffer(t, outer))
 
 
-def _nested_step(run, segment, ends, inner, deeper, chain, inherited) -> None:
-    """A step recomputing `segment` (up to its boundaries `ends`) while keeping only its
-    `inner` checkpoints: the last inner segment is differentiated as recomputed, the others
-    are recomputed once more."""
+def _nested_step(run, segment, ends, inner, deeper, chain, frontier, inherited) -> None:
+    """A step recomputing `segment` (up to its boundaries `ends`, from its `frontier`) while
+    keeping only its `inner` checkpoints: the last inner segment is differentiated as
+    recomputed, the others are recomputed once more."""
     schedule = Schedule.build(
         ForwardView.build(ends, list(segment.frontier), through_xs=False), inner
     )
     segments = [s for s in _segments(schedule) if s.ops]
     last = run.positions((schedule.last.ops | schedule.last.originals) & segment.ops)
     recomputed = run.positions(segment.ops)
+    released = inherited | run.gate_copies(frontier, recomputed, chain, inherited)
     uses = run.uses(last)
     for s in segments:
         _add(uses, run.tensor_ids(t for t in s.frontier if t.op in segment.ops))
-        # The inner steps release their boundaries from outside the segment too, which
-        # live on meanwhile: each needs a hold of its own.
+        # The inner steps release their boundaries from outside the segment too (or their
+        # copies under XLA), which live on meanwhile: each needs a hold of its own.
         for t in run.tensor_ids(t for t in s.frontier if t.op not in segment.ops):
             run.hold(run.buffer(t, chain))
-    run.forward(recomputed, chain, uses, inherited)
-    run.differentiate(last, chain, recomputed, inherited)
+    run.forward(recomputed, chain, uses, released)
+    run.differentiate(last, chain, recomputed, released)
     _steps(run, schedule, segments, deeper, chain)
 
 
