@@ -101,7 +101,7 @@ def working_bytes(
     dtype and bytes of each input, the bytes of each output, whether it runs on CPU kernels
     and whether a BiasAdd alone reads its output: float32 copies for half-precision
     contractions (`HALF_IN_FLOAT32_ON_CPU`). Other kernels' scratch space is not counted:
-    float16 convolution gradients on CPU hold some 25-30 MiB, whatever their shapes."""
+    float16 convolution gradients on CPU hold some 25-32 MiB, whatever their shapes."""
     if not cpu or op_type not in HALF_IN_FLOAT32_ON_CPU or not inputs:
         return 0
     if inputs[0][0] == tf.float16:

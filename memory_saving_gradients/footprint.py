@@ -28,8 +28,9 @@ at once, and the executor runs them side by side).
 With checkpoints, the forward pass keeps only the boundaries and what the last segment's
 gradients read; each step then recomputes its segments into new buffers (with nested
 checkpoints, keeping only those and recomputing the inner segments once more), differentiates
-them, and frees the boundaries no later step reads. A recomputed op whose outputs nothing
-reads is not run: the executor prunes it.
+them, and frees the boundaries no later step reads. Under XLA a step also copies what its
+matmuls and convolutions read through its gate (`_Run.gate_copies`). A recomputed op whose
+outputs nothing reads is not run: the executor prunes it.
 
 What this leaves out, measured against TensorFlow (benchmarks/cost_model.py): the executor
 times ops to choose which of the ready ones wait, so it may run a gradient's ops that read
