@@ -231,10 +231,11 @@ def test_gradients_equal_plain_under_xla(model_fn, strategy):
     assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
 
 
-def test_concrete_functions_of_xla_steps_recompute_and_equal_plain():
+@pytest.mark.parametrize("model_fn", [models.residual_chain, models.conv_batchnorm_relu])
+def test_concrete_functions_of_xla_steps_recompute_and_equal_plain(model_fn):
     """`get_concrete_function` of a `jit_compile=True` function traces its ops inside XLA's
     control-flow context, which is no TF1 frame: they are recomputed as in a traced call."""
-    model = models.residual_chain()
+    model = model_fn()
 
     @tf.function(jit_compile=True)
     def step(x):
