@@ -12,7 +12,6 @@ taken to read every input and output and to make new input gradients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -75,12 +74,9 @@ def runs_cpu_kernels(op: tf.Operation) -> bool:
     if _tf.compiled_by_xla(op.graph):
         return False
     device_type = tf.DeviceSpec.from_string(op.device).device_type if op.device else None
-    return device_type == "CPU" if device_type else not _gpus_visible()
-
-
-@functools.cache
-def _gpus_visible() -> bool:
-    return bool(tf.config.list_logical_devices("GPU"))
+    # Visible devices are read without starting TensorFlow's runtime, which would freeze
+    # the user's thread and device settings.
+    return device_type == "CPU" if device_type else not tf.config.get_visible_devices("GPU")
 
 
 def kernels_side_by_side() -> bool:

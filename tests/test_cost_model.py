@@ -246,3 +246,26 @@ def test_xla_compiled_matmuls_hold_no_float32_copies():
         tf.TensorSpec([256, 128], tf.float16), tf.TensorSpec([128, 64], tf.float16)
     )
     assert found == [0]
+
+
+_PLAN_THEN_CONFIGURE = """
+import tensorflow as tf
+import memory_saving_gradients as msg
+tf1 = tf.compat.v1
+with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float16, [256, 128])
+    weights = [tf1.get_variable(f"w{i}", [128, 128], tf.float16) for i in range(6)]
+    h = x
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+    loss = tf.reduce_sum(tf.cast(h, tf.float32))
+    msg.gradients(loss, weights, checkpoints=msg.plan(loss, weights, "memory"))
+tf.config.threading.set_inter_op_parallelism_threads(1)  # fails once the runtime started
+print("configured")
+"""
+
+
+def test_planning_a_graph_leaves_tensorflows_runtime_unstarted():
+    """Asking where ops run (`costs.runs_cpu_kernels`) must not start TensorFlow's runtime,
+    which would freeze the thread and device settings a graph-mode program makes later."""
+    assert run_python("-c", _PLAN_THEN_CONFIGURE).strip().endswith("configured")
