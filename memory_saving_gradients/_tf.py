@@ -31,13 +31,19 @@ from tensorflow.python.ops import gradients as gradients_module
 
 @contextlib.contextmanager
 def _outside_caller_scopes(graph: tf.Graph) -> Iterator[None]:
-    """Build ops in `graph` free of the caller's control-dependency, name and colocation scopes."""
+    """Build ops in `graph` free of the caller's control-dependency, name and colocation scopes.
+    `control_dependencies(None)` also leaves the caller's control-flow context; XLA's
+    compilation context (where `get_concrete_function` of a `jit_compile=True` function
+    traces) is kept, so the ops built here are compiled, and seen to be, like the rest."""
+    xla_context = control_flow_util.GetContainingXLAContext(graph._get_control_flow_context())
     with (
         graph.as_default(),
         tf_ops.control_dependencies(None),
         tf_ops.name_scope(None),
         graph.colocate_with(None, ignore_existing=True),
     ):
+        if xla_context is not None:
+            graph._set_control_flow_context(xla_context)  # restored on leaving the scopes
         yield
 
 
@@ -84,9 +90,8 @@ def gate(
     [gates under XLA]); `waits` are returned as they are.
     """
     graph = tensors[0].graph
-    xla = compiled_by_xla(graph)  # outside caller scopes, where XLA's context is cleared
     with _outside_caller_scopes(graph), tf_ops.name_scope(scope):
-        if xla:
+        if compiled_by_xla(graph):
             with graph.device(after.op.device):
                 zero = _xla_zero_computed_from([after, *waits])
             gated = [_minus_zero(tensor, zero) for tensor in tensors]
@@ -339,9 +344,7 @@ def in_v1_control_flow(op: tf.Operation) -> bool:
 
 def compiled_by_xla(graph: tf.Graph) -> bool:
     """Whether `graph` (or a graph it is nested in) is being built for XLA compilation, as in
-    `tf.function(jit_compile=True)`. Where that is seen from XLA's control-flow context (a
-    `get_concrete_function` trace), it is not seen under `control_dependencies(None)`, which
-    clears that context."""
+    `tf.function(jit_compile=True)`."""
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 

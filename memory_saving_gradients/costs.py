@@ -60,12 +60,10 @@ def tensor_bytes(tensor: tf.Tensor) -> int:
     return num_elements(tensor) * itemsize
 
 
-#: Contractions whose CPU kernels compute float16 in float32: while one runs it holds a float32
-#: copy of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
-#: [512, 1024] MatMul holds 14 MiB beside its 4 MiB output). bfloat16 runs natively in
-#: oneDNN, but a MatMul fused with the BiasAdd after it (grappler's remapper) holds its result
-#: in float32.
-HALF_IN_FLOAT32_ON_CPU = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+#: Matrix products, batched or not.
+MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+#: Contractions: each output element sums products over an inner dimension or a window.
+CONTRACTIONS = MATMULS | {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Einsum"}
 
 
 def runs_cpu_kernels(op: tf.Operation) -> bool:
@@ -90,15 +88,17 @@ def working_bytes(
     op_type: str,
     inputs: Sequence[tuple[tf.DType, int]],
     output_bytes: Sequence[int],
-    cpu: bool,
     before_bias_add: bool = False,
 ) -> int:
-    """Bytes an op's kernel allocates for itself while it runs, beyond its outputs, given the
-    dtype and bytes of each input, the bytes of each output, whether it runs on CPU kernels
-    and whether a BiasAdd alone reads its output: float32 copies for half-precision
-    contractions (`HALF_IN_FLOAT32_ON_CPU`). Other kernels' scratch space is not counted:
-    float16 convolution gradients on CPU hold some 25-32 MiB, whatever their shapes."""
-    if not cpu or op_type not in HALF_IN_FLOAT32_ON_CPU or not inputs:
+    """Bytes an op's TensorFlow CPU kernel allocates for itself while it runs, beyond its
+    outputs, given the dtype and bytes of each input, the bytes of each output, and whether a
+    BiasAdd alone reads its output. A float16 matmul computes in float32: it holds a float32
+    copy of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
+    [512, 1024] MatMul holds 14 MiB beside its 4 MiB output). bfloat16 runs natively in
+    oneDNN, but a MatMul fused with the BiasAdd after it (grappler's remapper) holds its
+    result in float32. Other kernels' scratch space is not counted: float16 convolution
+    gradients on CPU hold some 25-32 MiB, whatever their shapes."""
+    if op_type not in MATMULS or not inputs:
         return 0
     if inputs[0][0] == tf.float16:
         return 2 * (sum(size for _, size in inputs) + sum(output_bytes))
@@ -197,7 +197,10 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
         shape_read = body_op.type in SHAPE_READERS
         step_of[body_op] = len(steps)
         sizes = tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs)
-        read_bytes = [(t.dtype, size_of.get(id(t), tensor_bytes(t))) for t in body_op.inputs]
+        working = 0
+        if cpu and body_op.type in MATMULS:
+            read = [(t.dtype, size_of.get(id(t), tensor_bytes(t))) for t in body_op.inputs]
+            working = working_bytes(body_op.type, read, sizes)
         steps.append(
             GradientStep(
                 outputs=tuple(id(t) for t in body_op.outputs),
@@ -207,7 +210,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
                 folded=body_op.type in SHAPE_OF
                 and all(t.shape.is_fully_defined() for t in body_op.inputs),
                 reuses_input=body_op.type in REUSES_INPUT_BUFFER,
-                working=working_bytes(body_op.type, read_bytes, sizes, cpu),
+                working=working,
             )
         )
     captured = tuple(
@@ -325,13 +328,12 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
 
 
 def _working_bytes(op: tf.Operation, output_bytes: Sequence[int]) -> int:
-    if op.type not in HALF_IN_FLOAT32_ON_CPU or not runs_cpu_kernels(op):
+    if op.type not in MATMULS or not runs_cpu_kernels(op):
         return 0
     return working_bytes(
         op.type,
         [(t.dtype, tensor_bytes(t)) for t in op.inputs],
         output_bytes,
-        cpu=True,
         before_bias_add=[c.type for c in op.outputs[0].consumers()] == ["BiasAdd"],
     )
 
@@ -341,7 +343,7 @@ def flops(op: tf.Operation) -> float:
     if not op.outputs:
         return 0.0
     out = num_elements(op.outputs[0])
-    if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+    if op.type in MATMULS:
         a = op.inputs[0]
         transposed = op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x")
         inner = _dim(a, -2 if transposed else -1)

@@ -55,14 +55,6 @@ from memory_saving_gradients.view import ForwardView
 
 #: The copy level of the tensors the forward pass computes.
 ORIGINAL = 0
-#: Ops before which XLA materialises what a step reads through its gate, `x - 0`, as a copy
-#: (it fuses the subtraction into element-wise readers): NOTE [gates under XLA] in `_tf.py`.
-XLA_COPIES_BEFORE = frozenset(
-    {
-        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
-        "DepthwiseConv2dNative", "Einsum",
-    }
-)  # fmt: skip
 
 
 @dataclasses.dataclass(eq=False)
@@ -150,8 +142,9 @@ class _Run:
         self, read: Iterable[int], ops: Sequence[int], chain: Sequence[int], inherited: frozenset
     ) -> frozenset[int]:
         """Under XLA, the copies a step recomputing `ops` at level `chain[0]` makes of the
-        tensors it reads through its gate (`read`) that a matmul or convolution among `ops`
-        reads (`XLA_COPIES_BEFORE`): weights and boundaries. Each lives at that level until
+        tensors it reads through its gate (`read`) that a contraction among `ops` reads
+        (`costs.CONTRACTIONS`; XLA fuses `x - 0` into element-wise readers, NOTE [gates under
+        XLA] in `_tf.py`): weights and boundaries. Each lives at that level until
         its last reader there; the step's last hold on an `inherited` original is given up
         as it is copied. Returns the copied tensors, which the step releases as it does
         what it inherits."""
@@ -161,7 +154,7 @@ class _Run:
         copied = {
             t
             for op in ops
-            if self.view.ops[op].type in XLA_COPIES_BEFORE
+            if self.view.ops[op].type in costs.CONTRACTIONS
             for t in self.ids.inputs[op]
             if t in read
         }

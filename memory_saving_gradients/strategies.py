@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, footprint, planner
+from memory_saving_gradients import _tf, costs, footprint, planner
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -35,13 +35,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS_COLLECTION = "checkpoints"
 
 #: Op types whose outputs the 'speed' strategy keeps: recomputing them costs the most.
-EXPENSIVE_OP_TYPES = frozenset(
-    {
-        "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv", "Conv2D",
-        "Conv2DBackpropInput", "Conv3D", "Conv3DBackpropInputV2", "DepthwiseConv2dNative",
-        "Einsum", "MatMul", "SparseMatMul",
-    }
-)  # fmt: skip
+EXPENSIVE_OP_TYPES = costs.CONTRACTIONS | {
+    "Conv", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "SparseMatMul"
+}  # fmt: skip
 
 Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
 #: Plans simulated while looking for the one that fits a budget, at most.
