@@ -35,10 +35,12 @@ tf.get_logger().setLevel("ERROR")  # retracing notices: every step here is trace
 
 MiB = 2**20
 METHODS = ("plain", "memory", "every_sqrt")
-#: Targets at the deepest depth (issue 2), against plain tf.gradients measured in the same run.
+#: Targets at the deepest depth, against plain tf.gradients measured in the same run. One level
+#: of checkpoints every sqrt(N) layers (issue 2) costs about one extra forward pass; 'memory'
+#: nests recomputation where that keeps less (issue 10), about one more forward pass a level.
 TARGET_MEMORY_RATIO = 0.19
-TARGET_TIME_RATIO = 1.35
 TARGET_SLOPE = 0.5
+TARGET_TIME_RATIO = {"every_sqrt": 1.35, "memory": 1.8}
 
 
 def training_step(depth: int, batch: int, width: int, method: str):
@@ -161,13 +163,16 @@ def main(argv=None) -> int:
         return 0
     deepest = args.depths[-1]
     checks = {
-        f"memory/plain at depth {deepest} <= {TARGET_MEMORY_RATIO}":
-            memory["memory"][-1] / memory["plain"][-1] <= TARGET_MEMORY_RATIO,
+        f"memory/plain at depth {deepest} <= {TARGET_MEMORY_RATIO}": (
+            memory["memory"][-1] / memory["plain"][-1] <= TARGET_MEMORY_RATIO
+        ),
         f"'memory' slope <= {TARGET_SLOPE}": slopes.get("memory", 0.0) <= TARGET_SLOPE,
-    } | {
-        f"step time at depth {d} <= {TARGET_TIME_RATIO}x plain":
-            t["memory"] <= TARGET_TIME_RATIO for d, t in times.items()
-    }  # fmt: skip
+    }
+    for depth, ratios in times.items():
+        for method, limit in TARGET_TIME_RATIO.items():
+            checks[f"{method} step time at depth {depth} <= {limit}x plain"] = (
+                ratios[method] <= limit
+            )
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     return 0 if all(checks.values()) else 1
