@@ -1,11 +1,9 @@
 """The command's process-wide settings: quiet TensorFlow logs, each of the library's warnings
 once, and the device steps run on.
 
-Steps run with TensorFlow's own inter-op threads, as training does. One thread would make
-peaks more repeatable, but its executor then leaves the SGD updates of finished gradients
-queued behind the recomputation, holding the gradients (a 64-layer chain of 256, batch 2048:
-'memory' 41.8 MiB with one thread, 26.2 with two); the command reports the smallest peak of
-fresh builds instead. Settings that TensorFlow reads when its runtime starts must come before
+Steps run with TensorFlow's own inter-op threads, as training does, and the command reports
+the smallest peak of fresh builds: the executor orders ready ops differently from build to
+build. Settings that TensorFlow reads when its runtime starts must come before
 the first op runs.
 """
 
