@@ -123,6 +123,25 @@ def test_keras_convnext_with_function_call_layers():
     assert_close_to_scale(*keras_gradients(model, "memory"))
 
 
+def test_keras_mobilenet_v3_equals_tf_gradients_in_float64():
+    """Hard-swish, squeeze-and-excitation gates, and batch-norm biases whose gradients are
+    analytically zero. In float32 the two differ by up to 6e-5 of the largest gradient (batch
+    norm over 2x2 maps of batch 2 amplifies round-off, and recomputed ops fuse differently);
+    in float64 by 1e-13, so the rewrite computes the same function."""
+    policy = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("float64")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.applications.MobileNetV3Small(
+            weights=None, input_shape=(64, 64, 3), classes=10, dropout_rate=0.0
+        )
+        reference, got = keras_gradients(model, "memory")
+    finally:
+        keras.mixed_precision.set_dtype_policy(policy)
+    assert all(r.dtype == np.float64 for r in reference)
+    assert_close_to_scale(reference, got, rtol=1e-10)
+
+
 def chain(n: int = 6, width: int = 8):
     x = tf1.placeholder(tf.float32, [4, width], name="x")
     ws = [tf.Variable(np.eye(width, dtype=np.float32) * 0.9, name=f"w{i}") for i in range(n)]
