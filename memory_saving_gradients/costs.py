@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import _tf
+from memory_saving_gradients import _tf, graph
 
 #: Elements assumed for a dimension whose static size is unknown (usually the batch).
 UNKNOWN_DIM_SIZE = 64
@@ -47,10 +47,10 @@ RESIDENT = frozenset({"Const", "ReadVariableOp", "VarHandleOp", "Placeholder"})
 
 def num_elements(tensor: tf.Tensor) -> int:
     """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
-    shape = tensor.shape
-    if shape.rank is None:
+    shape = graph.static_shape(tensor)
+    if shape is None:
         return UNKNOWN_DIM_SIZE
-    return math.prod(UNKNOWN_DIM_SIZE if d is None else d for d in shape.as_list())
+    return math.prod(_known(d) for d in shape)
 
 
 def tensor_bytes(tensor: tf.Tensor) -> int:
@@ -175,7 +175,7 @@ def gradient_use(op: tf.Operation) -> GradientUse | None:
     key = (
         op.type,
         tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
-        tuple((t.dtype, None if t.shape.rank is None else tuple(t.shape)) for t in op.inputs),
+        tuple((t.dtype, graph.static_shape(t)) for t in op.inputs),
         cpu,
     )
     if key not in _GRADIENT_USES:
@@ -349,12 +349,12 @@ def flops(op: tf.Operation) -> float:
         inner = _dim(a, -2 if transposed else -1)
         return 2.0 * out * inner
     if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
-        kernel = op.inputs[1].shape.as_list()
+        kernel = graph.static_shape(op.inputs[1]) or (None, None, None)
         window = math.prod(_known(d) for d in kernel[:-2])
         per_output = window if op.type == "DepthwiseConv2dNative" else window * _known(kernel[-2])
         return 2.0 * out * per_output
     if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):
-        kernel = op.inputs[1].shape.as_list()
+        kernel = graph.static_shape(op.inputs[1]) or (None, None)
         return 2.0 * num_elements(op.inputs[2]) * math.prod(_known(d) for d in kernel[:-1])
     if op.type == "Einsum":
         return 2.0 * _einsum_terms(op)
@@ -367,7 +367,7 @@ def _einsum_terms(op: tf.Operation) -> float:
     operands = equation.split("->")[0].split(",")
     sizes: dict[str, int] = {}
     for letters, tensor in zip(operands, op.inputs, strict=False):
-        shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+        shape = graph.static_shape(tensor) or ()
         if "." in letters or len(letters) != len(shape):
             return float(num_elements(op.outputs[0]))
         sizes.update((letter, _known(d)) for letter, d in zip(letters, shape, strict=True))
@@ -375,10 +375,8 @@ def _einsum_terms(op: tf.Operation) -> float:
 
 
 def _dim(tensor: tf.Tensor, axis: int) -> int:
-    shape = tensor.shape
-    if shape.rank is None:
-        return UNKNOWN_DIM_SIZE
-    return _known(shape.as_list()[axis])
+    shape = graph.static_shape(tensor)
+    return UNKNOWN_DIM_SIZE if shape is None else _known(shape[axis])
 
 
 def _known(dim: int | None) -> int:

@@ -1,4 +1,4 @@
-"""Read-only queries on a TensorFlow graph: walks, topological order, tensor sizes.
+"""Read-only queries on a TensorFlow graph: walks, topological order, static shapes.
 
 Inside `tf.function` tensors are unhashable (`t in some_list` even builds an `Equal` op), so
 every set and dict here is keyed by the operation or by `tensor.ref()`.
@@ -9,13 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 
 import networkx as nx
-import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-
-#: Elements assumed for a dimension whose static size is unknown (usually the batch).
-UNKNOWN_DIM_SIZE = 64
 
 
 def backward_ops(
@@ -82,16 +78,31 @@ def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
     return list(nx.lexicographical_topological_sort(dependencies, key=_tf.creation_index))
 
 
-def num_elements(tensor: tf.Tensor) -> int:
-    """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
+def static_shape(tensor: tf.Tensor) -> tuple[int | None, ...] | None:
+    """`tensor`'s static shape as ints, None for a dimension unknown until run time, or None
+    where even its rank is. The same under TF1 behaviour
+    (`tf.compat.v1.disable_v2_behavior()`), whose shapes hold `Dimension` objects, which
+    neither hash nor compare as ints."""
     shape = tensor.shape
     if shape.rank is None:
-        return UNKNOWN_DIM_SIZE
-    return int(np.prod([UNKNOWN_DIM_SIZE if d is None else d for d in shape.as_list()]))
+        return None
+    return tuple(shape.as_list())
 
 
-def size_in_bytes(tensor: tf.Tensor) -> int:
-    """Bytes `tensor` occupies by its static shape (resources and variants count 8 bytes)."""
-    dtype = tensor.dtype.base_dtype
-    itemsize = 8 if dtype in (tf.resource, tf.variant, tf.string) else dtype.size
-    return num_elements(tensor) * itemsize
+def capture_placeholders(graph: tf.Graph) -> list[tf.Tensor]:
+    """The placeholders through which a function body (`tf.function`, `Defun`) reads values
+    of the graphs enclosing it; none for a graph that is no function body."""
+    if not graph.building_function:
+        return []
+    return [inner for _, inner in graph.captures]
+
+
+def captured_value(tensor: tf.Tensor) -> tf.Tensor | None:
+    """The value of an enclosing graph that `tensor`, a function body's placeholder, stands
+    for; None if `tensor` stands for nothing outside."""
+    if not tf.is_symbolic_tensor(tensor):
+        return None  # an eager value a function captured
+    graph = tensor.graph
+    if not graph.building_function or tensor.op.type != "Placeholder":
+        return None
+    return next((outer for outer, inner in graph.captures if inner is tensor), None)

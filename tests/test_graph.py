@@ -1,8 +1,9 @@
 """Graph walks, topological order and sizes."""
 
+import pytest
 import tensorflow as tf
 
-from memory_saving_gradients import graph
+from memory_saving_gradients import costs, graph
 from memory_saving_gradients.view import ForwardView
 
 tf1 = tf.compat.v1
@@ -63,9 +64,30 @@ def test_topological_order_respects_inputs_then_creation_order():
 def test_sizes_count_unknown_dimensions_as_64():
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, [4, None])
-        assert graph.num_elements(x) == 4 * graph.UNKNOWN_DIM_SIZE
-        assert graph.size_in_bytes(tf.cast(x, tf.float16)) == 2 * 4 * graph.UNKNOWN_DIM_SIZE
-        assert graph.size_in_bytes(tf.zeros([10, 10], tf.float64)) == 800
+        assert costs.num_elements(x) == 4 * costs.UNKNOWN_DIM_SIZE
+        assert costs.tensor_bytes(tf.cast(x, tf.float16)) == 2 * 4 * costs.UNKNOWN_DIM_SIZE
+        assert costs.tensor_bytes(tf.zeros([10, 10], tf.float64)) == 800
+        assert costs.num_elements(tf1.placeholder(tf.float32)) == costs.UNKNOWN_DIM_SIZE
+
+
+@pytest.mark.parametrize("v2_shapes", [True, False], ids=["TensorShape V2", "V1 Dimension"])
+def test_static_shapes_read_alike_with_v1_dimensions(v2_shapes):
+    """Under `disable_v2_behavior()` a shape holds `Dimension` objects, which hash as no int
+    does (the cost model's cache key raised "unhashable type: 'Dimension'")."""
+    if not v2_shapes:
+        tf1.disable_v2_tensorshape()
+    try:
+        with tf.Graph().as_default():
+            x = tf1.placeholder(tf.float32, [None, 3])
+            assert isinstance(x.shape[1], int) == v2_shapes
+            shape = graph.static_shape(x)
+            assert shape == (None, 3) and all(d is None or type(d) is int for d in shape)
+            hash(shape)
+            assert graph.static_shape(tf1.placeholder(tf.float32)) is None
+            assert costs.tensor_bytes(x) == 4 * 3 * costs.UNKNOWN_DIM_SIZE
+            assert costs.gradient_use(tf.tanh(x).op).reads == ((frozenset(), frozenset({0})),)
+    finally:
+        tf1.enable_v2_tensorshape()
 
 
 def test_segment_views_stop_at_their_boundaries():
