@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Literal, NamedTuple
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import ops as tf_ops
@@ -54,7 +55,12 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     is in: it is placed exactly like the original. `name` is made unique by the graph.
     """
     graph = op.graph
-    node_def = op.node_def  # serialized on each access
+    attrs = dict(op.node_def.attr)  # the NodeDef is serialized on each access
+    # In the original's colocation group, so that what TensorFlow colocates with the copy
+    # (the gradients built from it) is colocated with the original, as `tf.gradients` has it.
+    attrs["_class"] = attr_value_pb2.AttrValue(
+        list=attr_value_pb2.AttrValue.ListValue(s=op.colocation_groups())
+    )
     with _outside_caller_scopes(graph):
         copy = graph._create_op_internal(
             op.type,
@@ -62,7 +68,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
             dtypes=[out.dtype for out in op.outputs],
             input_types=[t.dtype for t in op.inputs],
             name=name,
-            attrs=dict(node_def.attr),
+            attrs=attrs,
             op_def=op.op_def,
             compute_device=False,
         )
@@ -169,7 +175,7 @@ def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
     """`tensor - zero` (bit for bit `tensor`), `tensor or False` for booleans; other dtypes
     (resources, variants, strings) pass through an identity waiting for `zero`."""
     dtype = tensor.dtype
-    with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
+    with placed_like(tensor):
         if dtype == tf.bool:
             return tf.logical_or(tensor, tf.cast(zero, tf.bool))
         if dtype.is_floating or dtype.is_complex or dtype.is_integer:
@@ -181,18 +187,31 @@ def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:
     """`tensor`, read once `zero` exists: a slice from `zero` onwards (the whole tensor, the
     same buffer) where slicing applies, an identity waiting for `zero` otherwise (resources,
-    variants). `starts` shares the slices' starts, one per rank."""
-    with tf.device(tensor.op.device), tf_ops.name_scope(tensor.op.name):
-        rank = tensor.shape.rank
-        if tensor.dtype in (tf.resource, tf.variant) or rank is None:
-            with tf_ops.control_dependencies([zero]):
-                return gen_array_ops.identity(tensor)
-        if rank not in starts:
+    variants). `starts` shares the slices' starts, one per rank, placed like `zero`."""
+    rank = tensor.shape.rank
+    if tensor.dtype in (tf.resource, tf.variant) or rank is None:
+        with placed_like(tensor), tf_ops.control_dependencies([zero]):
+            return gen_array_ops.identity(tensor)
+    if rank not in starts:
+        with tf.device(zero.op.device):
             starts[rank] = tf.fill(_constant(tensor.graph, [rank]), zero)
-        ones = _constant(tensor.graph, [1] * rank)
+    ones = _constant(tensor.graph, [1] * rank)
+    with placed_like(tensor):
         return gen_array_ops.strided_slice(
             tensor, starts[rank], ones, ones, end_mask=(1 << rank) - 1
         )
+
+
+@contextlib.contextmanager
+def placed_like(tensor: tf.Tensor) -> Iterator[None]:
+    """Build ops on `tensor`'s device and in its colocation group, named after its op, as
+    TensorFlow places what passes a tensor on (the caller's device and colocation scopes are
+    left)."""
+    with (
+        tensor.graph.colocate_with(tensor.op, ignore_existing=True),
+        tf_ops.name_scope(tensor.op.name),
+    ):
+        yield
 
 
 def is_function_call(op: tf.Operation) -> bool:
@@ -270,6 +289,13 @@ class GradientAside(NamedTuple):
     read: dict[int, tf.Tensor]
 
 
+#: TF2 control-flow ops: their registered gradients add outputs to the forward op (the
+#: intermediates the gradient reads), so building one aside would change the user's graph.
+CONTROL_FLOW_TYPES = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
+)
+
+
 def gradient_aside(op: tf.Operation) -> GradientAside | None:
     """`op`'s registered gradient built in a function body of its own, to see what it reads and
     makes; None where that cannot be done without side effects (function calls and control
@@ -277,6 +303,7 @@ def gradient_aside(op: tf.Operation) -> GradientAside | None:
     if (
         op._gradient_function is not None
         or is_function_call(op)
+        or op.type in CONTROL_FLOW_TYPES
         or "_gradient_op_type" in op.node_def.attr
     ):
         return None
@@ -334,7 +361,17 @@ def in_v1_control_flow(op: tf.Operation) -> bool:
     """Whether `op` lives inside a TF1 while loop or cond (Switch/Merge frames). The context
     XLA compilation sets (`get_concrete_function` of a `jit_compile=True` function traces its
     ops inside one) is no frame."""
-    context = op._get_control_flow_context()
+    return _in_frame(op._get_control_flow_context())
+
+
+def building_in_v1_control_flow(graph: tf.Graph) -> bool:
+    """Whether ops built now in `graph` go inside a TF1 while loop or cond: the caller is
+    building a loop body or branch (as `tf.compat.v1.hessians` builds one gradient call per
+    iteration)."""
+    return _in_frame(graph._get_control_flow_context())
+
+
+def _in_frame(context) -> bool:
     while context is not None:
         if context.IsWhileContext() or context.IsCondContext():
             return True
@@ -411,8 +448,14 @@ def zero_gradient(x: tf.Tensor) -> tf.Tensor:
 
 
 def sum_gradients(gradients: Sequence) -> tf.Tensor | tf.IndexedSlices:
-    """Sum gradient parts as `tf.gradients` does: IndexedSlices stay sparse unless mixed."""
-    return backprop_util.AggregateIndexedSlicesGradients(list(gradients))
+    """Sum gradient parts as `tf.gradients` does: IndexedSlices stay sparse unless mixed;
+    dense parts are summed on each device they lie on, colocated with the first of them, and
+    those sums together (where they lie on several)."""
+    if any(isinstance(g, tf.IndexedSlices) for g in gradients):
+        return backprop_util.AggregateIndexedSlicesGradients(list(gradients))
+    if len(gradients) == 1:
+        return gradients[0]
+    return gradients_util._MultiDeviceAddN(list(gradients), "__unsupported__")
 
 
 class EntryPoint(NamedTuple):

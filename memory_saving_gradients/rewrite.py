@@ -18,6 +18,7 @@ reaches, returning the gradient that arrives at each of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -99,10 +100,12 @@ class _Backprop:
         return tensor.ref() in self._parts
 
     def gradient(self, tensor: tf.Tensor) -> Gradient:
-        """Every part received for `tensor`, summed once when first read."""
+        """Every part received for `tensor`, summed once when first read (colocated with
+        `tensor`'s op where gradients are colocated with their ops, as TensorFlow sums)."""
         parts = self._parts[tensor.ref()]
         if len(parts) > 1:
-            parts[:] = [_tf.sum_gradients(parts)]
+            with colocated(tensor.op, self.options.colocate_gradients_with_ops):
+                parts[:] = [_tf.sum_gradients(parts)]
         return parts[0]
 
     def step_inputs(
@@ -134,10 +137,13 @@ class _Backprop:
         grad_ys: Sequence[Gradient | None] | None,
         targets: Sequence[_Target],
         copies: dict[tf.Operation, tf.Operation],
+        colocate: bool = True,
     ) -> None:
         """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found.
 
-        The user's stop_gradients stop their copies too.
+        The user's stop_gradients stop their copies too. Gradient ops are colocated with
+        their forward ops where the user asks for it and `colocate` (a step passing
+        gradients into variable reads does not: see `checkpointed_gradients`).
         """
         user_stops = self.options.stop_gradients
         copied_stops = _copied(user_stops, copies)
@@ -148,10 +154,7 @@ class _Backprop:
             [target.tensor for target in targets],
             None if grad_ys is None else list(grad_ys),
             name="segment",
-            # A step without copies passes gradients into variable reads, which carry no
-            # device under a distribution strategy: its gradients go on the caller's device,
-            # as tf.gradients puts the op that made them (an all-reduce needs a device).
-            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops and bool(copies),
+            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops and colocate,
             gate_gradients=self.options.gate_gradients,
             aggregation_method=self.options.aggregation_method,
             stop_gradients=[*user_stops, *copied_stops],
@@ -285,10 +288,19 @@ def checkpointed_gradients(
                 gradients = checkpointed_gradients(inner_view, inner, incoming, inner_options)
                 backprop.receive(targets, gradients)
             else:
-                backprop.differentiate(ys, incoming, targets, copies)
+                # A step without copies passes gradients into variable reads, which carry
+                # no device under a distribution strategy: its gradients go on the caller's
+                # device (an all-reduce needs one), and are placed as TensorFlow's when
+                # passed on (`_released_after_reads`).
+                backprop.differentiate(ys, incoming, targets, copies, colocate=bool(copies))
 
         gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
-        return _released_after_reads(view, gradients, backprop.passed, scope)
+        placement = {}
+        for x in view.xs:
+            arrived = [backprop.gradient(r) for r in view.reads_of(x) if backprop.has_gradient(r)]
+            if arrived:
+                placement[x.ref()] = _flat(arrived[:1])[0]
+        return _released_after_reads(view, gradients, backprop.passed, scope, placement)
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
@@ -300,10 +312,17 @@ def checkpointed_gradients(
 # from step to step. So each x's gradient is passed on only once every op of this backward
 # pass reading x's value (directly, or through a gate) has run.
 def _released_after_reads(
-    view: ForwardView, gradients: list[Gradient | None], passed: dict, scope: str
+    view: ForwardView,
+    gradients: list[Gradient | None],
+    passed: dict,
+    scope: str,
+    placement: dict[object, tf.Tensor],
 ) -> list[Gradient | None]:
     """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
-    the variable read of x, or a gate passing either on) have run."""
+    the variable read of x, or a gate passing either on) have run, and placed like the
+    gradient that arrived at x's first variable read (`placement`, by ref) where x has one:
+    a read passes its gradient on unchanged, so that is where TensorFlow's is. The step
+    passing gradients into reads runs uncolocated (variable reads may have no device)."""
     released = []
     for x, gradient in zip(view.xs, gradients, strict=True):
         values = [x, *view.reads_of(x)]
@@ -314,12 +333,30 @@ def _released_after_reads(
             for reader in alias.consumers()
             if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
         }
-        if gradient is None or not readers:
+        like = placement.get(x.ref())
+        if gradient is None or not (readers or like is not None):
             released.append(gradient)
             continue
         with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
-            released.append(tf.nest.map_structure(tf.identity, gradient, expand_composites=True))
+            released.append(
+                tf.nest.map_structure(
+                    lambda t, like=like: _passed_on(t, like), gradient, expand_composites=True
+                )
+            )
     return released
+
+
+def _passed_on(tensor: tf.Tensor, like: tf.Tensor | None = None) -> tf.Tensor:
+    """An identity of `tensor`, placed and colocated like it, or like `like`."""
+    with _tf.placed_like(tensor if like is None else like):
+        return tf.identity(tensor)
+
+
+def colocated(op: tf.Operation, colocate: bool):
+    """A scope building ops colocated with `op`, where `colocate`; else none."""
+    return (
+        op.graph.colocate_with(op, ignore_existing=True) if colocate else contextlib.nullcontext()
+    )
 
 
 def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:

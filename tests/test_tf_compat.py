@@ -31,7 +31,8 @@ def test_copy_op_keeps_type_attributes_device_shapes_and_value():
         assert copy.get_attr("alpha") == pytest.approx(0.3)
         assert copy.device == y.op.device
         assert copy.control_inputs == []
-        assert copy.colocation_groups() == [b"loc:@copies/act"]
+        # In the original's colocation group (the caller's colocation scope is left).
+        assert copy.colocation_groups() == [b"loc:@act"]
         assert copy.outputs[0].shape.as_list() == [None, 3]
         assert _tf.copy_op(y.op, [x], name="copies/act").name == "copies/act_1"
         value = np.array([[-1.0, 0.0, 2.0]], np.float32)
@@ -67,6 +68,8 @@ def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():
             )
         assert waits == [weight_part]
         assert gated_x.op.device == x.op.device
+        assert gated_x.op.colocation_groups() == x.op.colocation_groups()
+        assert gated_handle.op.colocation_groups() == v.handle.op.colocation_groups()
         assert gated_x.shape.as_list() == [None, 3]
         assert gated_x.op.name.startswith("step/")
         assert not gated_x.op.control_inputs
@@ -244,6 +247,23 @@ def test_in_v1_control_flow():
         tf1.enable_control_flow_v2()
 
 
+def test_building_in_v1_control_flow():
+    tf1.disable_control_flow_v2()
+    try:
+        with tf.Graph().as_default() as graph:
+            inside = []
+
+            def body(i):
+                inside.append(_tf.building_in_v1_control_flow(graph))
+                return i + 1.0
+
+            tf1.while_loop(lambda i: i < 3, body, [0.0])
+            assert inside == [True]
+            assert not _tf.building_in_v1_control_flow(graph)
+    finally:
+        tf1.enable_control_flow_v2()
+
+
 def test_the_context_of_xla_compilation_is_no_v1_control_flow():
     traced = []
 
@@ -295,6 +315,20 @@ def test_sum_gradients_adds_dense_and_concatenates_sparse():
         dense_value, indices = run([dense, sparse.indices])
         np.testing.assert_array_equal(dense_value, [4.0, 6.0])
         np.testing.assert_array_equal(indices, [0, 2])
+
+
+def test_sum_gradients_sums_on_each_device_first_as_tensorflow_does():
+    with tf.Graph().as_default():
+        here = [tf.constant([1.0]), tf.constant([2.0])]
+        with tf.device("/cpu:1"):
+            elsewhere = tf.constant([5.0])
+        total = _tf.sum_gradients([*here, elsewhere])
+        sums = [t.op for t in total.op.inputs]
+        assert {op.colocation_groups()[0] for op in sums} == {
+            here[0].op.colocation_groups()[0],
+            elsewhere.op.colocation_groups()[0],
+        }
+        assert _tf.sum_gradients(here[:1]) is here[0]
 
 
 def test_gradient_entry_points_hold_tensorflows_functions():
