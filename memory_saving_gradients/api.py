@@ -19,11 +19,12 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, inputs, rewrite
-from memory_saving_gradients.plans import Plan
+from memory_saving_gradients import _tf, captures, inputs, rewrite
+from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
 from memory_saving_gradients.strategies import (
     CheckpointsArg,
+    MemoryBudget,
     NoCheckpointsError,
     log_plan,
     select_checkpoints,
@@ -124,18 +125,17 @@ def compute_gradients(
             return plain_gradients(
                 args.ys, args.xs, args.grad_ys, gradient_options, args.unconnected_gradients
             )
-        unique_xs = args.unique_xs
-        flowing = args.without_constant_ys()
+        body, outside = captures.split(args)
+        unique_xs = body.unique_xs
+        flowing = body.without_constant_ys()
         grads = [None] * len(unique_xs)
         if flowing.ys:
             grads = _checkpointed(
                 flowing, unique_xs, checkpoints, gradient_options, refuse, gradients_held
             )
-        by_x = {
-            x.ref(): _fill_unconnected(x, g, args.unconnected_gradients)
-            for x, g in zip(unique_xs, grads, strict=True)
-        }
-        return [by_x[x.ref()] for x in args.xs]
+        by_x = {x.ref(): g for x, g in zip(unique_xs, grads, strict=True)}
+        by_x.update(outside.gradients(by_x, gradient_options))
+        return [_fill_unconnected(x, by_x[x.ref()], args.unconnected_gradients) for x in args.xs]
 
 
 def _checkpointed(
@@ -155,8 +155,8 @@ def _checkpointed(
             raise
         logger.info("%s Computing TensorFlow's own gradients.", error)
         plan = None
-    if plan is None or not plan.checkpoints:
-        logger.info("No checkpoints chosen: computing plain gradients.")
+    if plan is None or not plan.pays:
+        _log_plain(plan, checkpoints)
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     log_plan(plan)
     return rewrite.checkpointed_gradients(view, plan.levels, args.grad_ys, options, plan.schedule)
@@ -188,11 +188,30 @@ def plan(
             f"No plan: only TensorFlow's own gradients apply here ({args.only_tensorflow})."
         )
     with args.graph.as_default():
-        flowing = args.without_constant_ys()
+        body, _ = captures.split(args)
+        flowing = body.without_constant_ys()
         view = ForwardView.build(
-            flowing.ys, args.unique_xs, flowing.grad_ys is not None, gradients_held
+            flowing.ys, body.unique_xs, flowing.grad_ys is not None, gradients_held
         )
-        return select_checkpoints(view, checkpoints)
+        return select_checkpoints(view, checkpoints).predicted()
+
+
+def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:
+    """Say why plain gradients are computed for `plan` (None: the strategy found nothing to
+    keep): a warning where the user chose checkpoints that predict no saving, as that choice
+    is then not followed."""
+    if plan is None or not plan.checkpoints:
+        logger.info("No checkpoints chosen: computing plain gradients.")
+    elif not plan.recompute_flops_fraction:
+        logger.info("%s recomputes nothing: computing plain gradients.", plan.strategy)
+    else:
+        chosen = not isinstance(checkpoints, str | MemoryBudget)
+        (logger.warning if chosen else logger.info)(
+            "%s predicts an activation peak of %.1f MiB, not below plain backprop's %.1f MiB: "
+            "computing plain gradients.%s",
+            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
+            " checkpoints='memory' chooses checkpoints that pay, or none." if chosen else "",
+        )  # fmt: skip
 
 
 def _report_unreachable(view: ForwardView) -> None:

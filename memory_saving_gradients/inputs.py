@@ -24,9 +24,11 @@ class Arguments:
 
     Attributes:
       graph: where the gradients are built: the graph of ys, or the function body being
-        built when ys belong to a graph enclosing it.
-      ys, grad_ys: the differentiated tensors and their gradients (None for the default).
-      xs: the tensors differentiated against, variables as their handles.
+        built inside it.
+      ys, grad_ys: the differentiated tensors and their gradients (None for the default),
+        of `graph` or of graphs enclosing it.
+      xs: the tensors differentiated against, variables as their handles, of `graph` or of
+        graphs enclosing it (`captures` follows them there).
       stop_gradients: as for `tf.gradients`.
       unconnected_gradients: as for `tf.gradients`, checked.
       only_tensorflow: why only TensorFlow's own gradients can be computed, if so.
@@ -84,13 +86,13 @@ def parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients) -> Arguments:
             unconnected_gradients=unconnected,
             only_tensorflow=f"{composite[0]!r} is a composite tensor (ragged, sparse)",
         )
-    ys_graph = graph = graph_of(ys_list)
+    graph = graph_of(ys_list)
     current = tf.compat.v1.get_default_graph()
-    if any(g is ys_graph for g in _enclosing_graphs(current)):
+    if any(g is graph for g in _enclosing_graphs(current)):
         graph = current  # a function body built inside the graph of ys, which it captures
     enclosing = _enclosing_graphs(graph)
     with graph.as_default():
-        ys_tensors = [_tensor(y, "ys", [ys_graph]) for y in ys_list]
+        ys_tensors = [_tensor(y, "ys", enclosing) for y in ys_list]
         xs_tensors = [_tensor(x, "xs", enclosing) for x in xs_list]
         return Arguments(
             graph=graph,
@@ -104,13 +106,11 @@ def parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients) -> Arguments:
 
 
 def _only_tensorflow(graph: tf.Graph, ys: list[tf.Tensor], xs: list[tf.Tensor]) -> str | None:
-    """Why only TensorFlow's own gradients apply to these arguments, if so: TensorFlow alone
-    follows values captured across function boundaries."""
-    if any(y.graph is not graph for y in ys):
+    """Why only TensorFlow's own gradients apply to these arguments, if so."""
+    if _tf.building_in_v1_control_flow(graph):
+        return "called inside a TF1 while loop or cond, whose frames recomputed ops cannot enter"
+    if ys and all(y.graph is not graph for y in ys):
         return "ys belong to a graph enclosing the function being built"
-    outside = [x.name for x in xs if x.graph is not graph]
-    if outside:
-        return f"xs {outside} belong to a graph enclosing the function body of ys"
     xs_refs = {x.ref() for x in xs}
     if any(y.ref() in xs_refs and not _tf.is_differentiable(y) for y in ys):
         return "an integer or boolean y is also one of xs"

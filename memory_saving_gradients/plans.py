@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import costs, footprint
+from memory_saving_gradients import costs, footprint, graph
 from memory_saving_gradients.schedule import Schedule, Segment
 from memory_saving_gradients.view import ForwardView
 
@@ -78,6 +78,24 @@ class Plan:
     def plain_peak_bytes(self) -> int:
         return footprint.plain_peak(self._view)
 
+    def predicted(self) -> Plan:
+        """This plan with its predictions made now, of the graph as it is: gradients built
+        later (TensorFlow's, of function calls and control flow) add outputs to forward ops,
+        which would change predictions made after them."""
+        for prediction in ("peak_bytes", "plain_peak_bytes", "recompute_flops_fraction", "pays"):
+            getattr(self, prediction)
+        return self
+
+    @functools.cached_property
+    def pays(self) -> bool:
+        """Whether backprop with this plan recomputes something and is predicted to need less
+        memory than plain backprop; where not, `gradients` computes plain gradients."""
+        return (
+            bool(self.checkpoints)
+            and bool(self.recompute_flops_fraction)
+            and self.peak_bytes < self.plain_peak_bytes
+        )
+
     @functools.cached_property
     def recompute_flops_fraction(self) -> float:
         forward = sum(costs.flops(op) for op in self._view.ops)
@@ -101,6 +119,8 @@ class Plan:
             f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
             f"  recomputes {self.recompute_flops_fraction:.2f} of the forward compute",
         ]
+        if self.checkpoints and not self.pays:
+            lines.append("  saves nothing: gradients() computes plain gradients for it")
         rows = [
             (str(depth), t.name, t.op.type, _shape(t), f"{costs.tensor_bytes(t) / MIB:.2f}")
             for depth, level in enumerate(self.levels)
@@ -155,6 +175,7 @@ def _count(tensors: Sequence[tf.Tensor]) -> str:
 
 
 def _shape(tensor: tf.Tensor) -> str:
-    if tensor.shape.rank is None:
+    shape = graph.static_shape(tensor)
+    if shape is None:
         return "?"
-    return "(" + ", ".join("?" if d is None else str(d) for d in tensor.shape.as_list()) + ")"
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

@@ -29,11 +29,15 @@ def square_weights(n: int, width: int, seed: int = 0) -> list[tf.Variable]:
     ]
 
 
-def run_python(*arguments: str) -> str:
+def run_python(*arguments: str, env: dict[str, str] | None = None) -> str:
     """Stdout of `python arguments` run from the repository root in a fresh interpreter (for
-    device and cluster set-ups that must come before TensorFlow's runtime starts); fails the
-    test with the interpreter's stderr if it fails."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    device and cluster set-ups that must come before TensorFlow's runtime starts), with `env`
+    added to the environment; fails the test with the interpreter's output if it fails."""
+    environment = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+    }
     result = subprocess.run(
         [sys.executable, *arguments],
         cwd=ROOT,
@@ -43,7 +47,7 @@ def run_python(*arguments: str) -> str:
         timeout=600,
         check=False,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, (result.stdout[-6000:], result.stderr[-4000:])
     return result.stdout
 
 
@@ -70,8 +74,10 @@ def gradients_in_session(model_fn, strategy: str, *, input_gradient=False, grad_
             else [tf.constant(g(y)) for g, y in zip(grad_ys, ys, strict=True)]
         )
         reference = tf1.gradients(ys, xs, grad_ys=seeds)
-        got = msg.gradients(ys, xs, grad_ys=seeds, checkpoints=checkpoints_for(strategy, kept))
-        assert_recomputes(tf1.get_default_graph())
+        checkpoints = checkpoints_for(strategy, kept)
+        plan = msg.plan(ys, xs, checkpoints, grad_ys=seeds)
+        got = msg.gradients(ys, xs, grad_ys=seeds, checkpoints=checkpoints)
+        assert_recomputes_where_it_pays(plan)
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             return session.run((reference, got), {x: model.x})
@@ -86,15 +92,28 @@ def gradients_in_function(model_fn, strategy: str, *, input_gradient=False):
         ys, kept = model.forward(x)
         xs = [*model.variables, *([x] if input_gradient else [])]
         reference = tf.gradients(ys, xs)
-        got = msg.gradients(ys, xs, checkpoints=checkpoints_for(strategy, kept))
-        assert_recomputes(tf1.get_default_graph())
+        checkpoints = checkpoints_for(strategy, kept)
+        plan = msg.plan(ys, xs, checkpoints)
+        got = msg.gradients(ys, xs, checkpoints=checkpoints)
+        assert_recomputes_where_it_pays(plan)
         return reference, got
 
-    return tf.nest.map_structure(
-        lambda t: t.numpy() if isinstance(t, tf.Tensor) else t,
-        step(tf.constant(model.x)),
-        expand_composites=False,
-    )
+    return values(step(tf.constant(model.x)))
+
+
+def values(structure):
+    """The values of the tensors in `structure` (None stays None): eagerly, their `.numpy()`;
+    under TF1 behaviour, where calling a tf.function adds an op to the default graph, one
+    Session run of them, the graph's variables initialized first."""
+    leaves = tf.nest.flatten(structure, expand_composites=False)
+    if tf.executing_eagerly():
+        found = [t.numpy() if isinstance(t, tf.Tensor) else t for t in leaves]
+    else:
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            found = iter(session.run([t for t in leaves if t is not None]))
+            found = [None if t is None else next(found) for t in leaves]
+    return tf.nest.pack_sequence_as(structure, found, expand_composites=False)
 
 
 def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
@@ -138,6 +157,16 @@ def assert_recomputes(graph: tf.Graph) -> None:
     """Fail unless the checkpointed gradients copied some forward ops, so a test comparing
     them with tf.gradients compares a rewrite, not TensorFlow with itself."""
     assert any("/recompute_" in op.name for op in graph.get_operations()), "nothing recomputed"
+
+
+def assert_recomputes_where_it_pays(plan: msg.Plan) -> None:
+    """Fail unless checkpointed gradients copied forward ops exactly where `plan` (made just
+    before they were built: TensorFlow's gradients of function calls add outputs to the
+    forward ops) pays (`Plan.pays`): elsewhere TensorFlow's own gradients are computed, and
+    nothing is copied."""
+    graph = tf1.get_default_graph()
+    recomputed = any("/recompute_" in op.name for op in graph.get_operations())
+    assert recomputed == plan.pays, f"{plan!r}: pays {plan.pays}, recomputed {recomputed}"
 
 
 def dense(value) -> np.ndarray:

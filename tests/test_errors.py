@@ -29,6 +29,7 @@ def evaluate(fetches, x):
         return run_with_nones(session, fetches, {x: np.ones(x.shape, np.float32)})
 
 
+@pytest.mark.tf2_only
 def test_eager_call_says_to_use_a_graph():
     with pytest.raises(RuntimeError, match=r"tf\.function"):
         msg.gradients(tf.constant(1.0), tf.constant(2.0))
@@ -247,6 +248,7 @@ def test_unreachable_xs_are_reported(caplog):
         )
 
 
+@pytest.mark.tf2_only
 def test_eager_tensors_as_checkpoints_are_rejected():
     eager = tf.constant(1.0)
     with tf.Graph().as_default():

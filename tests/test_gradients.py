@@ -59,6 +59,7 @@ def test_embedding_gradient_stays_sparse():
     assert type(got[0]).__name__ == type(reference[0]).__name__ == "IndexedSlicesValue"
 
 
+@pytest.mark.tf2_only
 def test_convolution_checkpoints_in_a_residual_network():
     """With the convolutions as checkpoints, a convolution's bias gradient comes from the
     segment after its filter gradient, both computed from the same incoming gradient, and
@@ -148,6 +149,7 @@ def test_checkpoints_leaving_a_path_uncut_are_reported(caplog):
     assert len(recomputed) > len(set(recomputed))
 
 
+@pytest.mark.tf2_only
 @pytest.mark.parametrize("strategy", ["memory", "speed"])
 def test_keras_variables_as_xs(strategy):
     """Keras 3 variables are no tf.Variable; like tf.gradients, differentiate their handles

@@ -284,10 +284,11 @@ def test_weight_gradients_run_before_the_data_gradients_beside_them():
     with tf.Graph().as_default() as graph:
         x = tf.Variable(tf.ones([2, 8, 8, 4]), trainable=False).read_value()
         kernels = [tf.Variable(tf.ones([3, 3, 4, 4]) * 0.1) for _ in range(4)]
-        h = x
+        h, hidden = x, []
         for kernel in kernels:
             h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
-        msg.gradients(tf.reduce_sum(h), kernels, checkpoints=[h.op.inputs[0]])
+            hidden.append(h)
+        msg.gradients(tf.reduce_sum(h), kernels, checkpoints=[hidden[1]])
     ordered = [
         op
         for op in graph.get_operations()

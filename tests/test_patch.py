@@ -8,7 +8,7 @@ from tensorflow.python.ops import gradients_impl
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import _tf
-from tests.helpers import assert_recomputes, assert_same_gradients
+from tests.helpers import assert_recomputes, assert_same_gradients, values
 
 tf1 = tf.compat.v1
 ENTRY_POINTS = [
@@ -139,4 +139,4 @@ def test_patched_tf_gradients_inside_tf_function():
 
     with msg.patched("memory"):
         reference, got = step()
-    assert_same_gradients([r.numpy() for r in reference], [g.numpy() for g in got])
+    assert_same_gradients(*values([reference, got]))
