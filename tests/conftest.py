@@ -1,3 +1,28 @@
+"""Test-session set-up. With MSG_TF1_BEHAVIOUR set (tests/test_tf1_behaviour.py sets it for a
+slice of the suite, in a fresh interpreter), TensorFlow runs as TF1 programs run on it:
+`tf.compat.v1.disable_v2_behavior()` before any test builds a graph, so there is no eager
+execution, shapes hold `Dimension`s, `tf.compat.v1` variables are reference variables and
+control flow is TF1's. Tests marked `tf2_only` (eager execution, Keras 3) are skipped then.
+"""
+
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+TF1_BEHAVIOUR = bool(os.environ.get("MSG_TF1_BEHAVIOUR"))
+
+if TF1_BEHAVIOUR:
+    import tensorflow as tf
+
+    tf.compat.v1.disable_v2_behavior()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not TF1_BEHAVIOUR:
+        return
+    skip = pytest.mark.skip(reason="needs TF2 behaviour (eager execution or Keras 3)")
+    for item in items:
+        if item.get_closest_marker("tf2_only"):
+            item.add_marker(skip)

@@ -11,6 +11,7 @@ MSG_PROPERTY_EXAMPLES sets how many graphs each test tries (default 200 in a Ses
 quarter of that in tf.function).
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -18,7 +19,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_same_gradients, run_with_nones
+from tests.helpers import assert_same_gradients, run_with_nones, values
 from tests.random_graphs import FUSABLE, PLANNED, Program, Variables, build, programs
 
 tf1 = tf.compat.v1
@@ -79,23 +80,26 @@ def test_random_graphs_in_a_session(program):
 @settings(max_examples=max(EXAMPLES // 4, 10), **COMMON)
 @given(programs(max_steps=12))
 def test_random_graphs_in_a_tf_function(program):
-    results = {}
-    variables = Variables.create(program)
+    """Eagerly, the function runs; under TF1 behaviour, its call op runs in a Session of a
+    graph of its own."""
+    with contextlib.nullcontext() if tf.executing_eagerly() else tf.Graph().as_default():
+        results = {}
+        variables = Variables.create(program)
 
-    @tf.function
-    def step():
-        built = build(program, variables)
-        results["reference"] = tf.gradients(built.ys, built.xs, built.grad_ys)
-        results["got"] = checkpointed(program, built)
-        present = [g for g in results["reference"] + (results["got"] or []) if g is not None]
-        return present
+        @tf.function
+        def step():
+            built = build(program, variables)
+            results["reference"] = tf.gradients(built.ys, built.xs, built.grad_ys)
+            results["got"] = checkpointed(program, built)
+            present = [g for g in results["reference"] + (results["got"] or []) if g is not None]
+            return present
 
-    values = iter(step())
+        found = iter(values(step()))
     if results["got"] is None:
         return
 
     def fill(gradients):
-        return [None if g is None else np.asarray(next(values)) for g in gradients]
+        return [None if g is None else np.asarray(next(found)) for g in gradients]
 
     want = fill(results["reference"])
     have = fill(results["got"])
