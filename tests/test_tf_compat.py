@@ -366,3 +366,65 @@ def test_compiled_by_xla_sees_jit_compile_only():
     with tf.Graph().as_default() as graph:
         seen["session"] = _tf.compiled_by_xla(graph)
     assert seen == {None: False, False: False, True: True, "session": False}
+
+
+def test_gradient_aside_builds_the_registered_gradient_apart_and_names_what_it_reads():
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, [4, 3])
+        w = tf1.placeholder(tf.float32, [3, 2])
+        product = tf.matmul(x, w)
+        before = len(graph.get_operations())
+        aside = _tf.gradient_aside(product.op)
+        assert len(graph.get_operations()) == before, "the user's graph is left as it was"
+        assert aside.graph is not graph
+        assert [g.shape.as_list() for g in aside.input_gradients] == [[4, 3], [3, 2]]
+        (output_gradient,) = aside.output_gradients
+        assert output_gradient.graph is aside.graph and output_gradient.shape == [4, 2]
+        assert set(aside.read) == {id(x), id(w)}, "MatMul's gradient reads both inputs"
+        tanh = tf.tanh(x)
+        assert set(_tf.gradient_aside(tanh.op).read) == {id(tanh)}, "Tanh's reads its output"
+
+
+def test_gradient_aside_refuses_ops_whose_gradients_rewrite_their_forward_op():
+    @tf.function
+    def layer(v):
+        return tf.tanh(v)
+
+    @tf.custom_gradient
+    def clipped(v):
+        return tf.identity(v), lambda dy: tf.clip_by_value(dy, -1.0, 1.0)
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3])
+        loop = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, v * 2.0), [0, x])
+        branch = tf.cond(tf.reduce_sum(x) > 0, lambda: x * 2.0, lambda: x)
+        ops = [layer(x).op, _control_flow_op(loop[1]), _control_flow_op(branch), clipped(x).op]
+        assert {ops[1].type, ops[2].type} <= _tf.CONTROL_FLOW_TYPES
+        for op in [*ops, tf.shape(x).op]:
+            assert _tf.gradient_aside(op) is None, op.type
+
+
+def _control_flow_op(output: tf.Tensor) -> tf.Operation:
+    """The If or While op behind an output of tf.cond or tf.while_loop (each passes its
+    outputs on through an Identity)."""
+    return output.op.inputs[0].op if output.op.type == "Identity" else output.op
+
+
+def test_called_op_types_reads_bodies_and_their_callees_from_the_library():
+    @tf.function
+    def inner(v):
+        return tf.nn.relu(v)
+
+    @tf.function
+    def outer(v):
+        return inner(tf.matmul(v, v))
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3, 3])
+        call = outer(x).op
+        branch = _control_flow_op(
+            tf.cond(tf.reduce_sum(x) > 0, lambda: tf.sigmoid(x), lambda: tf.tanh(x))
+        )
+        assert {"MatMul", "Relu"} <= _tf.called_op_types(call)
+        assert {"Sigmoid", "Tanh"} <= _tf.called_op_types(branch)
+        assert _tf.called_op_types(tf.tanh(x).op) == frozenset()
