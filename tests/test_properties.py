@@ -13,19 +13,24 @@ quarter of that in tf.function).
 
 import contextlib
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_same_gradients, run_with_nones, values
+from tests.helpers import assert_same_gradients, dense, run_with_nones, values
 from tests.random_graphs import FUSABLE, PLANNED, Program, Variables, build, programs
 
 tf1 = tf.compat.v1
 EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
 #: Values stay of order one, so terms that cancel (x - x) leave float32 round-off of order 1e-7.
 ROUND_OFF = 1e-6
+#: A convolution's bias followed by training-mode batch norm, which removes any shift: its
+#: gradient is zero analytically, and what both sides compute is round-off of the gradients
+#: summed into it (2e-6 against 5e-6 where the largest gradient entry was 14).
+ZERO_BY_CONSTRUCTION = re.compile(r"conv_bn_relu\d+_1(_\d+)?:0")
 COMMON = {
     "deadline": None,
     "derandomize": not os.environ.get("MSG_PROPERTY_EXAMPLES"),
@@ -62,6 +67,18 @@ def checkpointed(program: Program, built) -> list | None:
     return gradients
 
 
+def assert_equal_gradients(names: list[str], want: list, have: list) -> None:
+    """`have` equals `want` to float32 round-off; gradients of the xs named zero by
+    construction to round-off of the largest gradient entry."""
+    zero = [bool(ZERO_BY_CONSTRUCTION.fullmatch(name)) for name in names]
+    largest = max((float(np.abs(dense(w)).max()) for w in want if w is not None), default=1.0)
+    for by_construction, atol in ((False, ROUND_OFF), (True, ROUND_OFF * max(1.0, largest))):
+        chosen = [i for i, z in enumerate(zero) if z == by_construction]
+        assert_same_gradients(
+            [want[i] for i in chosen], [have[i] for i in chosen], rtol=1e-4, atol=atol
+        )
+
+
 @settings(max_examples=EXAMPLES, **COMMON)
 @given(programs())
 def test_random_graphs_in_a_session(program):
@@ -74,7 +91,7 @@ def test_random_graphs_in_a_session(program):
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             want, have = run_with_nones(session, [reference, got])
-    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
+    assert_equal_gradients([x.name for x in built.xs], want, have)
 
 
 @settings(max_examples=max(EXAMPLES // 4, 10), **COMMON)
@@ -89,6 +106,7 @@ def test_random_graphs_in_a_tf_function(program):
         @tf.function
         def step():
             built = build(program, variables)
+            results["names"] = [x.name for x in built.xs]
             results["reference"] = tf.gradients(built.ys, built.xs, built.grad_ys)
             results["got"] = checkpointed(program, built)
             present = [g for g in results["reference"] + (results["got"] or []) if g is not None]
@@ -103,4 +121,4 @@ def test_random_graphs_in_a_tf_function(program):
 
     want = fill(results["reference"])
     have = fill(results["got"])
-    assert_same_gradients(want, have, rtol=1e-4, atol=ROUND_OFF)
+    assert_equal_gradients(results["names"], want, have)
