@@ -90,13 +90,10 @@ def split(args: Arguments) -> tuple[Arguments, Outside]:
         grad_ys=None if grad_ys is None else [grad_ys[i] for i in inner_ys],
         xs=[x for x in args.unique_xs if x.graph is body_graph] + placeholders,
     )
+    carried = [i for i in outer_ys if _tf.is_differentiable(args.ys[i])]
     outside = Outside(
-        ys=tuple(args.ys[i] for i in outer_ys if _tf.is_differentiable(args.ys[i])),
-        grad_ys=tuple(
-            None if grad_ys is None else grad_ys[i]
-            for i in outer_ys
-            if _tf.is_differentiable(args.ys[i])
-        ),
+        ys=tuple(args.ys[i] for i in carried),
+        grad_ys=tuple(None if grad_ys is None else grad_ys[i] for i in carried),
         xs=tuple(outer_xs),
         placeholders=tuple(placeholders),
         values=tuple(values),
