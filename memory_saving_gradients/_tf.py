@@ -128,11 +128,19 @@ def gate(
 
 def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
     """An int64 zero computed from the first element of `tensor` (an element, or its real
-    part, is never less than itself, NaN included)."""
+    part, is never less than itself, NaN included), plus a zero constant folding cannot see.
+
+    Where `tensor` is itself computed from constants (an unseeded ys' gradient is a Fill of
+    ones), grappler folds the zero to a constant and then each slice of a gate to an identity
+    it drops, so ops after the gate read what ops before it read, and oneDNN's fusion of
+    Conv2DBackpropFilter with BiasAddGrad closes a cycle through the gate (the step never
+    runs: "Retval[0] does not have value" in a Session, "nodes in a cycle" in a function).
+    A PlaceholderWithDefault is never folded."""
+    unseen = _unfoldable_zero(tensor.graph)
     rank = tensor.shape.rank
     if tensor.dtype in (tf.resource, tf.variant, tf.string) or rank is None:
         with tf_ops.control_dependencies([tensor.op]):
-            return tf.identity(_constant(tensor.graph, 0), name="zero")
+            return tf.identity(unseen, name="zero")
     first = tensor
     if rank:
         zeros, ones = _constant(tensor.graph, [0] * rank), _constant(tensor.graph, [1] * rank)
@@ -142,7 +150,9 @@ def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
     elif first.dtype == tf.bool:
         first = tf.cast(first, tf.int8)
     unequal = tf.cast(tf.less(first, first), tf.int64)
-    return tf.reduce_sum(unequal, _constant(tensor.graph, list(range(rank))), name="zero")
+    return tf.add(
+        tf.reduce_sum(unequal, _constant(tensor.graph, list(range(rank)))), unseen, name="zero"
+    )
 
 
 def _constant(graph: tf.Graph, value: int | list[int]) -> tf.Tensor:
@@ -152,11 +162,27 @@ def _constant(graph: tf.Graph, value: int | list[int]) -> tf.Tensor:
     name = "memory_saving_gradients_int64_" + "_".join(str(v) for v in values)
     if not isinstance(value, list):
         name += "_scalar"
+    return _made_once(graph, name, lambda: tf.constant(value, tf.int64, name=name))
+
+
+def _unfoldable_zero(graph: tf.Graph) -> tf.Tensor:
+    """An int64 zero of `graph` that graph optimizers do not know to be zero, made once."""
+    name = "memory_saving_gradients_unfoldable_zero"
+    return _made_once(
+        graph,
+        name,
+        lambda: tf.compat.v1.placeholder_with_default(_constant(graph, 0), [], name=name),
+    )
+
+
+def _made_once(graph: tf.Graph, name: str, make: Callable[[], tf.Tensor]) -> tf.Tensor:
+    """The tensor `make` builds in `graph`, outside the caller's scopes, under `name`; built
+    on the first call and found again by its name on later ones."""
     try:
         return graph.get_operation_by_name(name).outputs[0]
     except KeyError:
         with _outside_caller_scopes(graph):
-            return tf.constant(value, tf.int64, name=name)
+            return make()
 
 
 def _xla_zero_computed_from(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
