@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, captures, inputs, rewrite
+from memory_saving_gradients.inputs import Gradient, TensorLike
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
 from memory_saving_gradients.strategies import (
@@ -32,9 +33,6 @@ from memory_saving_gradients.strategies import (
 from memory_saving_gradients.view import ForwardView
 
 logger = logging.getLogger(__name__)
-
-TensorLike = tf.Tensor | tf.Variable
-Gradient = tf.Tensor | tf.IndexedSlices
 
 
 @tf.autograph.experimental.do_not_convert

@@ -188,7 +188,8 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
     ops = aside.graph.get_operations()
     runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
     runtime.update(id(inner) for inner in aside.read.values())
-    steps, step_of = [], {}
+    steps: list[GradientStep] = []
+    step_of: dict[tf.Operation, int] = {}
     size_of: dict[int, int] = {}  # bytes of the runtime tensors whose shapes tracing left open
     for body_op in ops:
         if body_op.type == "Placeholder" or not any(id(t) in runtime for t in body_op.inputs):
@@ -222,7 +223,8 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
         tensors = [] if gradient is None else tf.nest.flatten(gradient, expand_composites=True)
         ancestors = _ancestors([t.op for t in tensors], within=step_of)
         needs.append(frozenset(step_of[a] for a in ancestors))
-        read_inputs, read_outputs = set(), set()
+        read_inputs: set[int] = set()
+        read_outputs: set[int] = set()
         for body_op in ancestors:
             if body_op.type in SHAPE_READERS:
                 continue
@@ -308,7 +310,7 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
     use = gradient_use(op)
     free = op.type in ALIASING or op.type in RESIDENT
     if use is None:
-        saved_inputs, saved_outputs = range(len(op.inputs)), range(len(op.outputs))
+        saved_inputs, saved_outputs = list(range(len(op.inputs))), list(range(len(op.outputs)))
     else:
         wanted = [r for r, want in zip(use.reads, needed, strict=True) if want]
         saved_inputs = sorted(set().union(*(r[0] for r in wanted)))

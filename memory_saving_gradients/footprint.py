@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import tensorflow as tf
 
@@ -63,6 +64,10 @@ class _Buffer:
     holders: int = 1
     #: A value graph optimizers compute ahead of the step (it takes no step memory).
     constant: bool = False
+
+
+#: A buffer, or None where a tensor has none; `hold` returns what it was given.
+_MaybeBuffer = TypeVar("_MaybeBuffer", bound="_Buffer | None")
 
 
 class _Run:
@@ -120,7 +125,7 @@ class _Run:
         """A kernel's own buffers of `size` bytes, held only while it runs."""
         self.peak = max(self.peak, self.alive + size)
 
-    def hold(self, buffer: _Buffer | None) -> _Buffer | None:
+    def hold(self, buffer: _MaybeBuffer) -> _MaybeBuffer:
         if buffer is not None:
             buffer.holders += 1
         return buffer
@@ -456,7 +461,9 @@ def _needed_steps(
     for step in steps:
         for t in step.reads:
             readers[t] = readers.get(t, 0) + 1
-    returned = frozenset(r for r, want in zip(use.returned, wanted, strict=True) if want)
+    returned = frozenset(
+        r for r, want in zip(use.returned, wanted, strict=True) if want and r is not None
+    )
     return steps, readers, returned, sum(step.working for step in steps)
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
 
-Gradient = tf.Tensor | tf.IndexedSlices
+#: What users pass as ys and xs.
+TensorLike: TypeAlias = tf.Tensor | tf.Variable
+#: A gradient as `tf.gradients` returns it: dense, or the IndexedSlices of a gather.
+Gradient: TypeAlias = tf.Tensor | tf.IndexedSlices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +178,7 @@ def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[Gradient | None] | None:
     grad_ys = as_list(grad_ys)
     if len(grad_ys) != len(ys):
         raise ValueError(f"Passed {len(grad_ys)} grad_ys for {len(ys)} ys; give one per y.")
-    checked = []
+    checked: list[Gradient | None] = []
     for i, (grad_y, y) in enumerate(zip(grad_ys, ys, strict=True)):
         if grad_y is None:
             checked.append(None)

@@ -29,6 +29,7 @@ holds, so a few levels reach O(log n) activations on chains.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import heapq
 from collections.abc import Sequence
 
@@ -185,14 +186,17 @@ def within(
         return None
     searched = order.searched.setdefault((start, end, nesting), [])
     for earlier in searched:
-        if (known := earlier.answer(peak, cheaper_than)) is not _UNKNOWN:
+        if (known := earlier.answer(peak, cheaper_than)) is not _Unknown.ANSWER:
             return known
     cuts, work = _search(order, peak, start, end, nesting, cheaper_than)
     searched.append(_Searched(peak, cheaper_than, cuts, work))
     return cuts
 
 
-_UNKNOWN = object()
+class _Unknown(enum.Enum):
+    """What an earlier search cannot answer."""
+
+    ANSWER = enum.auto()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +214,16 @@ class _Searched:
     cuts: Cuts | None
     work: float
 
-    def answer(self, peak: float, cheaper_than: float) -> Cuts | object | None:
+    def answer(self, peak: float, cheaper_than: float) -> Cuts | _Unknown | None:
         if self.cuts is None:
-            return None if peak <= self.peak and cheaper_than <= self.cheaper_than else _UNKNOWN
+            return (
+                None
+                if peak <= self.peak and cheaper_than <= self.cheaper_than
+                else _Unknown.ANSWER
+            )
         if peak == self.peak:
             return self.cuts if self.work < cheaper_than else None
-        return _UNKNOWN
+        return _Unknown.ANSWER
 
 
 def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None, float]:
@@ -277,8 +285,8 @@ def recompute_flops(order: Order, cuts: Cuts, start: int = 0, end: int | None = 
     for j in range(len(bounds) - 2):
         a, b = bounds[j], bounds[j + 1]
         work += order.flops[a:b].sum()
-        if cuts.inner[j] is not None:
-            work += recompute_flops(order, cuts.inner[j], a, b)
+        if (nested := cuts.inner[j]) is not None:
+            work += recompute_flops(order, nested, a, b)
     return work
 
 
@@ -312,11 +320,8 @@ def model_peak(order: Order, cuts: Cuts, start: int = 0, end: int | None = None)
     peak = 0.0
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
-        inside = (
-            order.segment_peak(a, b)
-            if cuts.inner[j] is None
-            else model_peak(order, cuts.inner[j], a, b)
-        )
+        nested = cuts.inner[j]
+        inside = order.segment_peak(a, b) if nested is None else model_peak(order, nested, a, b)
         peak = max(peak, spent[j] + inside)
     return peak
 
@@ -401,19 +406,19 @@ def _cuts_within(
         fits[i + 1] = True
         push(by_slack, (slack_base[i + 1] - cost, i + 1))
         push(by_cost, (cost, i + 1))
-    spent, fits = np.array(spent), np.array(fits)
+    starts_fitting = np.array(fits)
     if last_peak is not None:
         reached = np.maximum.accumulate((held_before[1:] + gradients)[::-1])[::-1]
-        fits &= spent + reached - held_before[:n] <= last_peak
-        if not fits.any():
+        starts_fitting &= np.array(spent) + reached - held_before[:n] <= last_peak
+        if not starts_fitting.any():
             return None
         state = (
-            int(np.argmax(fits))
+            int(np.argmax(starts_fitting))
             if longest_last_segment
-            else int(np.argmin(np.where(fits, spent, np.inf)))
+            else int(np.argmin(np.where(starts_fitting, spent, np.inf)))
         )
     else:
-        state = int(np.argmax(fits)) if longest_last_segment else by_cost[0][1]
+        state = int(np.argmax(starts_fitting)) if longest_last_segment else by_cost[0][1]
     cuts = []
     while state > 0:
         cuts.append(state - 1)

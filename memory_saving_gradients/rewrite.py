@@ -26,10 +26,9 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, editor
+from memory_saving_gradients.inputs import Gradient
 from memory_saving_gradients.schedule import Schedule, Segment, recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
-
-Gradient = tf.Tensor | tf.IndexedSlices
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +238,9 @@ def checkpointed_gradients(
 
     with view.ys[0].graph.name_scope(options.name) as scope:
         last = schedule.last
-        ys = {y.ref() for y in view.ys}
+        y_refs = {y.ref() for y in view.ys}
         targeted = {t.ref() for t in (*last.frontier, *last.xs)}
-        xs_of_ys = [x for x in view.xs if x.ref() in ys and x.ref() not in targeted]
+        xs_of_ys = [x for x in view.xs if x.ref() in y_refs and x.ref() not in targeted]
         ys_targets = [
             *(_Target(t, t) for t in last.frontier),
             *(_Target(x, x, stops=False) for x in last.xs),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 import tensorflow as tf
 
@@ -165,7 +166,11 @@ class MemoryBudget:
 
     def __call__(self, view: ForwardView) -> Plan:
         plain = footprint.plain_peak(view)
-        budget = self.bytes if self.bytes is not None else self.fraction * plain
+        if self.bytes is not None:
+            budget: float = self.bytes
+        else:
+            assert self.fraction is not None  # __post_init__ checks that one is given
+            budget = self.fraction * plain
         return _within_budget(view, budget, plain, repr(self), _headroom(view))
 
 
@@ -205,7 +210,7 @@ def _within_budget(
 
     usable = budget - headroom
 
-    def fits(plan: Plan | None) -> bool:
+    def fits(plan: Plan | None) -> TypeGuard[Plan]:
         return plan is not None and plan.peak_bytes <= usable
 
     flat, flat_peak = planner.smallest_peak(order)
@@ -250,7 +255,8 @@ def _least_peak_candidates(
     flat, high = planner.smallest_peak(order)
     found = {flat: None}
     for scale in ONE_LEVEL_SCALES:
-        found[planner.within(order, scale * high, nesting=0)] = None
+        if (cuts := planner.within(order, scale * high, nesting=0)) is not None:
+            found[cuts] = None
     low = order.least_peak()
     for _ in range(LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
 import memory_saving_gradients as msg
+from tests.helpers import ROOT
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -32,3 +35,21 @@ def test_every_public_name_resolves():
     for name in msg.__all__:
         assert getattr(msg, name) is not None, name
     assert set(msg.__all__) <= set(dir(msg))
+
+
+@pytest.mark.parametrize(
+    "check",
+    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"]],
+    ids=["ruff", "ruff format", "mypy"],
+)
+def test_the_code_passes_its_checkers(check):
+    """Ruff over the repository and mypy over the package (settings in pyproject.toml)."""
+    result = subprocess.run(
+        [sys.executable, "-m", *check],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

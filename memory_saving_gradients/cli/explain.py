@@ -18,7 +18,7 @@ def plans(
     """For each strategy of `names` and each budget: a heading, the first paragraph of its
     docstring (why it keeps what it keeps) and its plan for model `name`."""
     model = models.build(name, depth, shape)
-    choices = [*names, *(msg.MemoryBudget(fraction) for fraction in budgets)]
+    choices: list[str | msg.MemoryBudget] = [*names, *map(msg.MemoryBudget, budgets)]
     sections = []
 
     def trace() -> tf.Tensor:

@@ -246,7 +246,7 @@ def sweep(
     for method in chosen:
         if method not in applicable:
             progress(f"{method.name}: does not apply ({name} is not made of blocks)")
-    points = []
+    points: list[Point] = []
     total = len(depths) * len(applicable)
     for depth in depths:
         steps: dict[str, _Step] = {}

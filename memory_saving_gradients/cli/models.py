@@ -310,8 +310,17 @@ def _in_groups(blocks: Sequence[Block], wrap: Wrap) -> Block:
 
     def run(h: tf.Tensor) -> tf.Tensor:
         for group in groups:
-            h = wrap(lambda t, group=group: _through(group, t))(h)
+            h = wrap(_chained(group))(h)
         return h
+
+    return run
+
+
+def _chained(parts: Sequence[Callable]) -> Block:
+    """`parts` as one block."""
+
+    def run(h: tf.Tensor) -> tf.Tensor:
+        return _through(parts, h)
 
     return run
 
