@@ -196,7 +196,9 @@ def test_predicted_peaks_count_gradients_as_the_step_keeps_them(held):
             w.assign_sub(1e-4 * g)
         return value
 
-    measured = min(peak_memory(step) for _ in range(2))
+    # Two inter-op threads order plain backprop's ops differently from run to run (18 to 21
+    # MiB returned, on two busy cores): the least of four runs is the order the plan predicts.
+    measured = min(peak_memory(step) for _ in range(4))
     plan = plans[0]
     assert measured == pytest.approx(plan.peak_bytes, rel=0.15)
     if held:
