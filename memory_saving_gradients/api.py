@@ -14,6 +14,7 @@ Caveats, as they stand:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -87,12 +88,9 @@ def gradients(
       NoCheckpointsError: a checkpoint list, 'collection' or 'speed' gave no usable tensor
         (patched TensorFlow computes its own gradients instead, and logs it).
     """
-    options = {
-        "name": name,
-        "colocate_gradients_with_ops": colocate_gradients_with_ops,
-        "gate_gradients": gate_gradients,
-        "aggregation_method": aggregation_method,
-    }
+    options = GradientOptions(
+        name, colocate_gradients_with_ops, gate_gradients, aggregation_method
+    )
     return compute_gradients(
         ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
         refuse=True, gradients_held=gradients_held,
@@ -104,20 +102,21 @@ def compute_gradients(
     xs,
     grad_ys,
     checkpoints,
-    options,
+    options: GradientOptions,
     stop_gradients,
     unconnected_gradients,
     *,
     refuse: bool,
     gradients_held: bool = False,
 ) -> list[Gradient | None]:
-    """`gradients`, with its `tf.gradients` options in a dict. Where the strategy finds no
+    """`gradients`, with its `tf.gradients` options in `options` (their stop_gradients
+    aside, which are checked here). Where the strategy finds no
     checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
     patched TensorFlow computes them for code the user did not write."""
     inputs.check_graph_mode()
     args = inputs.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
-        gradient_options = GradientOptions(**options, stop_gradients=args.stop_gradients)
+        gradient_options = dataclasses.replace(options, stop_gradients=args.stop_gradients)
         if args.only_tensorflow:
             logger.info("Computing TensorFlow's own gradients: %s.", args.only_tensorflow)
             return plain_gradients(
@@ -133,7 +132,7 @@ def compute_gradients(
             )
         by_x = {x.ref(): g for x, g in zip(unique_xs, grads, strict=True)}
         by_x.update(outside.gradients(by_x, gradient_options))
-        return [_fill_unconnected(x, by_x[x.ref()], args.unconnected_gradients) for x in args.xs]
+        return [unconnected_filled(x, by_x[x.ref()], args.unconnected_gradients) for x in args.xs]
 
 
 def _checkpointed(
@@ -245,7 +244,10 @@ gradients_memory = _with_strategy("memory")
 gradients_collection = _with_strategy("collection")
 
 
-def _fill_unconnected(x: tf.Tensor, gradient, unconnected: tf.UnconnectedGradients):
+def unconnected_filled(
+    x: tf.Tensor, gradient: Gradient | None, unconnected: tf.UnconnectedGradients
+) -> Gradient | None:
+    """`gradient`, or zeros shaped like `x` where it is None and `unconnected` asks for them."""
     if gradient is None and unconnected == tf.UnconnectedGradients.ZERO:
         return _tf.zero_gradient(x)
     return gradient

@@ -29,7 +29,7 @@ import tensorflow as tf
 from memory_saving_gradients.strategies import CheckpointsArg
 from memory_saving_gradients.tape import GradientTape
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=keras.Model)
 

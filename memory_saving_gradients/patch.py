@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.api import compute_gradients
+from memory_saving_gradients.api import GradientOptions, compute_gradients
 from memory_saving_gradients.strategies import CheckpointsArg
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,9 @@ def _v1_signature(checkpoints: CheckpointsArg):
         stop_gradients=None,
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
-        options = {
-            "name": name,
-            "colocate_gradients_with_ops": colocate_gradients_with_ops,
-            "gate_gradients": gate_gradients,
-            "aggregation_method": aggregation_method,
-        }
+        options = GradientOptions(
+            name, colocate_gradients_with_ops, gate_gradients, aggregation_method
+        )
         return compute_gradients(
             ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
             refuse=False,

@@ -28,11 +28,11 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, graph
-from memory_saving_gradients.api import gradients
+from memory_saving_gradients.api import gradients, unconnected_filled
 from memory_saving_gradients.inputs import graph_of
 from memory_saving_gradients.strategies import CheckpointsArg
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -188,8 +188,7 @@ class GradientTape(tf.GradientTape):
                     unconnected_gradients=unconnected,
                 )  # fmt: skip
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}
-            zeros = unconnected == tf.UnconnectedGradients.ZERO
-            return [_found_or_unconnected(found, x, zeros) for x in xs]
+            return [unconnected_filled(x, found.get(x.ref()), unconnected) for x in xs]
 
     def _tracked(self, graph_: tf.Graph) -> set:
         """Refs of the tensors the tape can differentiate against: those watched and every
@@ -229,13 +228,6 @@ def _log_eager_once() -> None:
         "rewrite, so it computes plain gradients and saves no memory. Run the training step "
         "inside tf.function (Keras: run_eagerly=False) to checkpoint."
     )
-
-
-def _found_or_unconnected(found: dict, x: tf.Tensor, zeros: bool):
-    """The gradient found for `x`; else zeros or None, as `unconnected_gradients` asks."""
-    if x.ref() in found:
-        return found[x.ref()]
-    return _tf.zero_gradient(x) if zeros else None
 
 
 def _as_graph_tensor(value) -> tf.Tensor:

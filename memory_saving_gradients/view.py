@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs, graph
 
-logger = logging.getLogger("memory_saving_gradients")
+logger = logging.getLogger(__name__)
 
 #: Stateless op types whose value may be overridden at run time (fed), so a copy could differ.
 FEEDABLE_TYPES = frozenset({"PlaceholderWithDefault"})
