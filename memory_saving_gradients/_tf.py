@@ -258,12 +258,16 @@ def called_op_types(op: tf.Operation) -> frozenset[str]:
 
 
 #: Op types in each library function's body and callees, by name. A name stands for one body:
-#: tf.function names are unique in a process, Defun names hash their definition.
+#: tf.function names are unique in a process, Defun names hash their definition. At most
+#: `FUNCTIONS_KEPT` names are kept (each trace makes new ones); the oldest goes first.
 _BODY_OP_TYPES: dict[str, frozenset[str]] = {}
+FUNCTIONS_KEPT = 4096
 
 
 def _body_op_types(name: str, graph: tf.Graph) -> frozenset[str]:
     if name not in _BODY_OP_TYPES:
+        if len(_BODY_OP_TYPES) >= FUNCTIONS_KEPT:
+            del _BODY_OP_TYPES[next(iter(_BODY_OP_TYPES))]
         _BODY_OP_TYPES[name] = frozenset()  # a function calling itself adds nothing new
         function = _library_function(graph, name)
         nodes = [] if function is None else function.definition.node_def

@@ -163,7 +163,10 @@ class GradientUse:
     returned: tuple[int | None, ...]
 
 
+#: What each kind of op's gradient reads and makes, for at most `KINDS_KEPT` kinds (a
+#: long-running process builds ever new ones); the oldest goes first.
 _GRADIENT_USES: dict[tuple, GradientUse | None] = {}
+KINDS_KEPT = 4096
 
 
 def gradient_use(op: tf.Operation) -> GradientUse | None:
@@ -179,6 +182,8 @@ def gradient_use(op: tf.Operation) -> GradientUse | None:
         cpu,
     )
     if key not in _GRADIENT_USES:
+        if len(_GRADIENT_USES) >= KINDS_KEPT:
+            del _GRADIENT_USES[next(iter(_GRADIENT_USES))]
         aside = _tf.gradient_aside(op)
         _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu)
     return _GRADIENT_USES[key]

@@ -273,3 +273,20 @@ def test_planning_a_graph_leaves_tensorflows_runtime_unstarted():
     """Asking where ops run (`costs.runs_cpu_kernels`) must not start TensorFlow's runtime,
     which would freeze the thread and device settings a graph-mode program makes later."""
     assert run_python("-c", _PLAN_THEN_CONFIGURE).strip().endswith("configured")
+
+
+def test_gradient_uses_are_kept_for_a_bounded_number_of_op_kinds(monkeypatch):
+    """A long-running process builds ever new kinds of op: the oldest kinds are forgotten,
+    and built aside again (new ids, the same reads) when asked for."""
+    monkeypatch.setattr(costs, "_GRADIENT_USES", {})
+    monkeypatch.setattr(costs, "KINDS_KEPT", 2)
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        ops = [tf.tanh(x).op, tf.sigmoid(x).op, tf.exp(x).op]
+        first = costs.gradient_use(ops[0])
+        for op in ops[1:]:
+            costs.gradient_use(op)
+        assert len(costs._GRADIENT_USES) == 2
+        again = costs.gradient_use(ops[0])
+        assert (again.reads, again.needs) == (first.reads, first.needs)
+        assert len(costs._GRADIENT_USES) == 2
