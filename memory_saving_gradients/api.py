@@ -156,7 +156,7 @@ def _checkpointed(
         _log_plain(plan, checkpoints)
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     log_plan(plan)
-    return rewrite.checkpointed_gradients(view, plan.levels, args.grad_ys, options, plan.schedule)
+    return rewrite.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -17,23 +17,32 @@ def copy_ops(
     ops: Sequence[tf.Operation],
     scope: str,
     replacements: Mapping[object, tf.Tensor] | None = None,
+    earlier: Mapping[tf.Operation, tf.Operation] | None = None,
 ) -> dict[tf.Operation, tf.Operation]:
     """Copy `ops`, given in topological order, and return a map from each op to its copy.
 
     A copy reads the copy of an input's producer when that producer is copied too, else the
-    input's entry in `replacements` (keyed by `tensor.ref()`), else the original input;
-    control inputs are mapped like producers. Each copy keeps its original's type,
+    input's entry in `replacements` (keyed by `tensor.ref()`), else the output of an
+    `earlier` copy of its producer (copies of copies are made from the originals), else the
+    original input; control inputs are mapped like producers. Each copy keeps its original's type,
     attributes, device, colocation and static shapes, and is named `scope + original name`
     (made unique).
     """
     replacements = replacements or {}
+    earlier = earlier or {}
     copies: dict[tf.Operation, tf.Operation] = {}
+
+    def latest(op: tf.Operation) -> tf.Operation:
+        return copies.get(op) or earlier.get(op, op)
+
     for op in ops:
         inputs = [
-            copies[t.op].outputs[t.value_index] if t.op in copies else replacements.get(t.ref(), t)
+            replacements[t.ref()]
+            if t.op not in copies and t.ref() in replacements
+            else latest(t.op).outputs[t.value_index]
             for t in op.inputs
         ]
         copy = _tf.copy_op(op, inputs, name=scope + op.name)
-        _tf.add_control_inputs(copy, (copies.get(c, c) for c in op.control_inputs))
+        _tf.add_control_inputs(copy, (latest(c) for c in op.control_inputs))
         copies[op] = copy
     return copies

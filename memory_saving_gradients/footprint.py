@@ -51,7 +51,7 @@ from typing import TypeVar
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs
-from memory_saving_gradients.schedule import Schedule, Segment
+from memory_saving_gradients.schedule import Schedule, Segment, Step
 from memory_saving_gradients.view import ForwardView
 
 #: The copy level of the tensors the forward pass computes.
@@ -483,39 +483,33 @@ def plain_peak(view: ForwardView) -> int:
     return run.peak
 
 
-def checkpointed_peak(
-    view: ForwardView, levels: Sequence[Sequence[tf.Tensor]], schedule: Schedule | None = None
-) -> int:
-    """Simulated peak bytes of backprop keeping the tensors of `levels[0]` (whose `schedule`
-    may be given), and those of each further level while the segment around them is
-    recomputed."""
+def checkpointed_peak(schedule: Schedule) -> int:
+    """Simulated peak bytes of backprop with `schedule`: keeping its boundaries, and inside
+    each step with an inner schedule, only that one's while the step recomputes."""
+    view = schedule.view
     run = _Run(view)
-    schedule = schedule or Schedule.build(view, levels[0])
-    segments = _segments(schedule)
     last = _ops_of(run, schedule.last)
     uses = _add(run.uses(last), run.tensor_ids(view.ys))
-    for segment in segments:
-        _add(uses, run.uses(run.positions(segment.originals)))
-        _add(uses, run.tensor_ids(segment.frontier))
+    for step in schedule.steps:
+        _add(uses, run.uses(run.positions(step.segment.originals)))
+        _add(uses, run.tensor_ids(step.segment.frontier))
     run.forward(list(range(len(view.ops))), (ORIGINAL,), uses)
     _seed(run, view)
     run.differentiate(last, (ORIGINAL,))
-    _steps(run, schedule, segments, levels[1:], (ORIGINAL,))
+    _steps(run, schedule.steps, (ORIGINAL,))
     return run.peak
 
 
-def _steps(run: _Run, schedule, segments: Sequence[Segment], nested, outer: tuple) -> None:
-    """Simulate the steps of `segments` of `schedule`, whose boundaries live at the levels of
-    `outer`; `nested` gives the checkpoints of each further level."""
-    frontiers = [run.tensor_ids(s.frontier) for s in segments]
+def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
+    """Simulate `steps`, whose boundaries live at the levels of `outer`."""
+    frontiers = [run.tensor_ids(step.segment.frontier) for step in steps]
     last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
-    for j, (segment, frontier) in enumerate(zip(segments, frontiers, strict=True)):
+    for j, (step, frontier) in enumerate(zip(steps, frontiers, strict=True)):
         chain = (run.new_level(), *outer)
         inherited = frozenset(t for t in frontier if last_read[t] == j)
-        inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
-        if inner:
-            ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
-            _nested_step(run, segment, ends, inner, nested[1:], chain, frontier, inherited)
+        segment = step.segment
+        if step.inner is not None:
+            _nested_step(run, step, step.inner, chain, frontier, inherited)
         else:
             recomputed = run.positions(segment.ops)
             released = inherited | run.gate_copies(frontier, recomputed, chain, inherited)
@@ -526,31 +520,25 @@ def _steps(run: _Run, schedule, segments: Sequence[Segment], nested, outer: tupl
                 run.release(run.buffer(t, outer))
 
 
-def _nested_step(run, segment, ends, inner, deeper, chain, frontier, inherited) -> None:
-    """A step recomputing `segment` (up to its boundaries `ends`, from its `frontier`) while
-    keeping only its `inner` checkpoints: the last inner segment is differentiated as
-    recomputed, the others are recomputed once more."""
-    schedule = Schedule.build(
-        ForwardView.build(ends, list(segment.frontier), through_xs=False), inner
-    )
-    segments = [s for s in _segments(schedule) if s.ops]
-    last = run.positions((schedule.last.ops | schedule.last.originals) & segment.ops)
+def _nested_step(run, step: Step, inner: Schedule, chain, frontier, inherited) -> None:
+    """A step recomputing its segment (from its `frontier`) while keeping only the
+    boundaries of its `inner` schedule: the inner schedule's last segment is differentiated
+    as recomputed, its other segments are recomputed once more."""
+    segment = step.segment
+    steps = [s for s in inner.steps if s.segment.ops]
+    last = run.positions((inner.last.ops | inner.last.originals) & segment.ops)
     recomputed = run.positions(segment.ops)
     released = inherited | run.gate_copies(frontier, recomputed, chain, inherited)
     uses = run.uses(last)
-    for s in segments:
-        _add(uses, run.tensor_ids(t for t in s.frontier if t.op in segment.ops))
+    for s in steps:
+        _add(uses, run.tensor_ids(t for t in s.segment.frontier if t.op in segment.ops))
         # The inner steps release their boundaries from outside the segment too (or their
         # copies under XLA), which live on meanwhile: each needs a hold of its own.
-        for t in run.tensor_ids(t for t in s.frontier if t.op not in segment.ops):
+        for t in run.tensor_ids(t for t in s.segment.frontier if t.op not in segment.ops):
             run.hold(run.buffer(t, chain))
     run.forward(recomputed, chain, uses, released)
     run.differentiate(last, chain, recomputed, released)
-    _steps(run, schedule, segments, deeper, chain)
-
-
-def _segments(schedule: Schedule) -> list[Segment]:
-    return [Segment.union([schedule.segments[op] for op in step]) for step in schedule.steps]
+    _steps(run, steps, chain)
 
 
 def _ops_of(run: _Run, segment: Segment) -> list[int]:

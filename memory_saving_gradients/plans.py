@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import costs, footprint, graph
-from memory_saving_gradients.schedule import Schedule, Segment
+from memory_saving_gradients.schedule import Schedule
 from memory_saving_gradients.view import ForwardView
 
 MIB = 2**20
@@ -53,8 +53,15 @@ class Plan:
 
     @functools.cached_property
     def schedule(self) -> Schedule:
-        """The schedule of backprop keeping `checkpoints`."""
-        return Schedule.build(self._view, self.checkpoints)
+        """The schedule of backprop keeping `checkpoints`, with `nested` inside its steps."""
+        return Schedule.build(self._view, self.checkpoints, self.nested)
+
+    def schedule_on(self, view: ForwardView) -> Schedule:
+        """The schedule of this plan on `view`, a view of the ys and xs it was made for (the
+        xs perhaps in another order, for which gradients come in that order)."""
+        if view is self._view:
+            return self.schedule
+        return Schedule.build(view, self.checkpoints, self.nested)
 
     @property
     def levels(self) -> tuple[tuple[tf.Tensor, ...], ...]:
@@ -72,7 +79,7 @@ class Plan:
     def peak_bytes(self) -> int:
         if not self.checkpoints:
             return self.plain_peak_bytes
-        return footprint.checkpointed_peak(self._view, self.levels, self.schedule)
+        return footprint.checkpointed_peak(self.schedule)
 
     @functools.cached_property
     def plain_peak_bytes(self) -> int:
@@ -101,7 +108,7 @@ class Plan:
         forward = sum(costs.flops(op) for op in self._view.ops)
         if not self.checkpoints or not forward:
             return 0.0
-        return _recomputed(self._view, self.schedule, self.nested) / forward
+        return _recomputed(self.schedule) / forward
 
     def __repr__(self) -> str:
         nested = f", nested {[len(level) for level in self.nested]}" if self.nested else ""
@@ -136,19 +143,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def _recomputed(view: ForwardView, schedule: Schedule, nested) -> float:
+def _recomputed(schedule: Schedule) -> float:
     """The forward compute backprop with `schedule` repeats: every step recomputes its
-    segment, and within a segment holding `nested` checkpoints, the inner steps recompute
-    theirs again."""
+    segment, and a step with an inner schedule recomputes that one's segments again."""
     total = 0.0
     for step in schedule.steps:
-        segment = Segment.union([schedule.segments[op] for op in step])
-        total += sum(costs.flops(op) for op in _run_again(view, segment.ops))
-        inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
-        if inner:
-            ends = [t for op in segment.ops for t in op.outputs if schedule.is_boundary(t)]
-            sub = ForwardView.build(ends, list(segment.frontier), through_xs=False)
-            total += _recomputed(sub, Schedule.build(sub, inner), nested[1:])
+        total += sum(costs.flops(op) for op in _run_again(schedule.view, step.segment.ops))
+        if step.inner is not None:
+            total += _recomputed(step.inner)
     return total
 
 

@@ -86,9 +86,10 @@ class _Part:
 class _Backprop:
     """One checkpointed backward pass: TensorFlow's gradient calls and the parts they return."""
 
-    def __init__(self, view: ForwardView, options: GradientOptions) -> None:
+    def __init__(self, view: ForwardView, options: GradientOptions, values: _Values) -> None:
         self.view = view
         self.options = options
+        self.values = values
         self._parts: dict[object, list[Gradient]] = {}
         #: Parts found since the last gate, which the next gate waits for.
         self._unwaited: list[_Part] = []
@@ -99,11 +100,13 @@ class _Backprop:
         return tensor.ref() in self._parts
 
     def gradient(self, tensor: tf.Tensor) -> Gradient:
-        """Every part received for `tensor`, summed once when first read (colocated with
-        `tensor`'s op where gradients are colocated with their ops, as TensorFlow sums)."""
+        """Every part received for `tensor`, summed once when first read (colocated with the
+        op of what stands for `tensor` where gradients are colocated with their ops, as
+        TensorFlow sums)."""
         parts = self._parts[tensor.ref()]
         if len(parts) > 1:
-            with colocated(tensor.op, self.options.colocate_gradients_with_ops):
+            op = self.values.of(tensor).op
+            with colocated(op, self.options.colocate_gradients_with_ops):
                 parts[:] = [_tf.sum_gradients(parts)]
         return parts[0]
 
@@ -120,7 +123,8 @@ class _Backprop:
         waited, self._unwaited = self._unwaited, []
         waited_parts = [part.gradient for part in waited]
         arriving = _flat(incoming)
-        gated, passed = _tf.gate([*read, *arriving], arriving[0], _flat(waited_parts), scope)
+        values = [self.values.of(t) for t in read]
+        gated, passed = _tf.gate([*values, *arriving], arriving[0], _flat(waited_parts), scope)
         gated_incoming = tf.nest.pack_sequence_as(
             incoming, gated[len(read) :], expand_composites=True
         )
@@ -219,46 +223,74 @@ def _reaches(start: tf.Operation, end: tf.Operation, position: dict) -> bool:
     return False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Values:
+    """What stands for the tensors of a schedule's view in the backward pass being built: the
+    forward pass's own tensors at the top level; inside a step with an inner schedule, the
+    step's recomputed copies and its gates (nested recomputation copies the originals again,
+    reading those)."""
+
+    copies: dict[tf.Operation, tf.Operation] = dataclasses.field(default_factory=dict)
+    gated: dict[object, tf.Tensor] = dataclasses.field(default_factory=dict)
+
+    def of(self, tensor: tf.Tensor) -> tf.Tensor:
+        if tensor.ref() in self.gated:
+            return self.gated[tensor.ref()]
+        if tensor.op in self.copies:
+            return self.copies[tensor.op].outputs[tensor.value_index]
+        return tensor
+
+
 def checkpointed_gradients(
-    view: ForwardView,
-    levels: Sequence[Sequence[tf.Tensor]],
+    schedule: Schedule, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
+) -> list[Gradient | None]:
+    """Gradients of the ys of `schedule.view` with respect to its xs (None where unconnected),
+    running `schedule`: keeping its boundaries from the forward pass, and recomputing each
+    step's segment, keeping only its inner schedule's boundaries where it has one (nested
+    recomputation)."""
+    return _run(schedule, schedule.view.ys, grad_ys, options, _Values())
+
+
+def _run(
+    schedule: Schedule,
+    ys: Sequence[tf.Tensor],
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
-    schedule: Schedule | None = None,
+    values: _Values,
 ) -> list[Gradient | None]:
-    """Gradients of `view.ys` with respect to `view.xs` (None where unconnected), keeping only
-    the checkpoints `levels[0]` (whose `schedule` may be given) and what the view keeps
-    anyway (`must_keep`, `reused`) from the forward pass. A step whose segment holds
-    checkpoints of `levels[1]` recomputes it keeping only those, and differentiates it the
-    same way, one level down (nested recomputation)."""
-    schedule = schedule or Schedule.build(view, levels[0])
-    _report_repeated_recomputation(view, levels[0])
+    """Backprop from `ys` (of `schedule.view`; `grad_ys` arriving at them) into its xs, with
+    `values` standing for its tensors; gradient parts are kept by the tensor they are for."""
+    view = schedule.view
+    _report_repeated_recomputation(view, schedule.checkpoints)
     user_stopped = {t.op for t in options.stop_gradients}
-    backprop = _Backprop(view, options)
+    backprop = _Backprop(view, options, values)
 
-    with view.ys[0].graph.name_scope(options.name) as scope:
+    with ys[0].graph.name_scope(options.name) as scope:
         last = schedule.last
-        y_refs = {y.ref() for y in view.ys}
+        y_refs = {y.ref() for y in ys}
         targeted = {t.ref() for t in (*last.frontier, *last.xs)}
         xs_of_ys = [x for x in view.xs if x.ref() in y_refs and x.ref() not in targeted]
         ys_targets = [
-            *(_Target(t, t) for t in last.frontier),
-            *(_Target(x, x, stops=False) for x in last.xs),
-            *(_Target(x, x, stops=schedule.is_boundary(x)) for x in xs_of_ys),
+            *(_Target(values.of(t), t) for t in last.frontier),
+            *(_Target(values.of(x), x, stops=False) for x in last.xs),
+            *(_Target(values.of(x), x, stops=schedule.is_boundary(x)) for x in xs_of_ys),
         ]
-        backprop.differentiate(view.ys, grad_ys, ys_targets, {})
+        backprop.differentiate([values.of(y) for y in ys], grad_ys, ys_targets, {})
         for depth, step in enumerate(schedule.steps):
             reached = [
                 t
-                for op in step
+                for op in step.boundary_ops
                 if op not in user_stopped
                 for t in op.outputs
                 if schedule.is_boundary(t) and backprop.has_gradient(t)
             ]
             if not reached:
                 continue
-            segment = Segment.union(
-                [schedule.segments[op] for op in dict.fromkeys(t.op for t in reached)]
+            reached_ops = tuple(dict.fromkeys(t.op for t in reached))
+            segment = (
+                step.segment
+                if reached_ops == step.boundary_ops
+                else Segment.union([schedule.segments[op] for op in reached_ops])
             )
             read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
             gates, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
@@ -269,11 +301,10 @@ def checkpointed_gradients(
                 sorted(segment.ops, key=view.position.__getitem__),
                 f"{scope}recompute_{depth}/",
                 gated,
+                values.copies,
             )
-            ys = [copies[t.op].outputs[t.value_index] if t.op in copies else t for t in reached]
-            targets = _targets(segment, gated)
-            inner = [_copied(level, copies) for level in levels[1:]]
-            if inner and inner[0]:
+            targets = _targets(segment, gated, values)
+            if step.inner is not None:
                 inner_options = dataclasses.replace(
                     options,
                     stop_gradients=(
@@ -281,17 +312,27 @@ def checkpointed_gradients(
                         *_copied(options.stop_gradients, copies),
                     ),
                 )
-                inner_view = ForwardView.build(
-                    ys, [target.tensor for target in targets], through_xs=False
+                inner_values = _Values({**values.copies, **copies}, gated)
+                gradients = _run(step.inner, reached, incoming, inner_options, inner_values)
+                # The inner backward pass ends at its xs, the tensors this step gates.
+                of_xs = {x.ref(): g for x, g in zip(step.inner.view.xs, gradients, strict=True)}
+                backprop.receive(
+                    targets,
+                    [
+                        of_xs.get(t.gradient_of.ref()) if _gates(t, gated) else None
+                        for t in targets
+                    ],
                 )
-                gradients = checkpointed_gradients(inner_view, inner, incoming, inner_options)
-                backprop.receive(targets, gradients)
             else:
                 # A step without copies passes gradients into variable reads, which carry
                 # no device under a distribution strategy: its gradients go on the caller's
                 # device (an all-reduce needs one), and are placed as TensorFlow's when
                 # passed on (`_released_after_reads`).
-                backprop.differentiate(ys, incoming, targets, copies, colocate=bool(copies))
+                step_ys = [
+                    copies[t.op].outputs[t.value_index] if t.op in copies else values.of(t)
+                    for t in reached
+                ]
+                backprop.differentiate(step_ys, incoming, targets, copies, colocate=bool(copies))
 
         gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
         placement = {}
@@ -299,7 +340,7 @@ def checkpointed_gradients(
             arrived = [backprop.gradient(r) for r in view.reads_of(x) if backprop.has_gradient(r)]
             if arrived:
                 placement[x.ref()] = _flat(arrived[:1])[0]
-        return _released_after_reads(view, gradients, backprop.passed, scope, placement)
+        return _released_after_reads(view, gradients, backprop.passed, scope, placement, values)
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
@@ -316,19 +357,20 @@ def _released_after_reads(
     passed: dict,
     scope: str,
     placement: dict[object, tf.Tensor],
+    values: _Values,
 ) -> list[Gradient | None]:
     """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
-    the variable read of x, or a gate passing either on) have run, and placed like the
+    the variable read of x, or a gate passing either on; as `values` stand for them, gates
+    by the ref of what they pass) have run, and placed like the
     gradient that arrived at x's first variable read (`placement`, by ref) where x has one:
     a read passes its gradient on unchanged, so that is where TensorFlow's is. The step
     passing gradients into reads runs uncolocated (variable reads may have no device)."""
     released = []
     for x, gradient in zip(view.xs, gradients, strict=True):
-        values = [x, *view.reads_of(x)]
         readers = {
             reader
-            for value in values
-            for alias in (value, *passed.get(value.ref(), ()))
+            for tensor in (x, *view.reads_of(x))
+            for alias in (values.of(tensor), *passed.get(tensor.ref(), ()))
             for reader in alias.consumers()
             if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
         }
@@ -363,17 +405,23 @@ def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:
     return [copies[t.op].outputs[t.value_index] for t in tensors if t.op in copies]
 
 
-def _targets(segment: Segment, gated: dict[object, tf.Tensor]) -> list[_Target]:
+def _targets(segment: Segment, gated: dict[object, tf.Tensor], values: _Values) -> list[_Target]:
     """What a step's gradient call differentiates against: the gates its copies read, the
-    boundaries its originals read, and the xs it reads."""
+    boundaries its originals read, and the xs it reads (as `values` stand for them)."""
     targets = []
     for tensor in segment.frontier:
         if tensor.ref() in gated and _tf.is_differentiable(tensor):
             targets.append(_Target(gated[tensor.ref()], tensor))
         if any(reader in segment.originals for reader in tensor.consumers()):
-            targets.append(_Target(tensor, tensor))
-    targets.extend(_Target(x, x, stops=False) for x in segment.xs)
+            targets.append(_Target(values.of(tensor), tensor))
+    targets.extend(_Target(values.of(x), x, stops=False) for x in segment.xs)
     return targets
+
+
+def _gates(target: _Target, gated: dict[object, tf.Tensor]) -> bool:
+    """Whether `target` is the gate passing on what it is the gradient of."""
+    gate = gated.get(target.gradient_of.ref())
+    return gate is not None and target.tensor is gate
 
 
 def _report_repeated_recomputation(view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> None:

@@ -65,24 +65,58 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Boundaries, the segment behind each boundary op and behind the ys, and the steps.
+class Step:
+    """Segments backprop recomputes and differentiates together, one call of TensorFlow's
+    gradient function.
 
     Attributes:
+      boundary_ops: the boundary ops whose segments the step recomputes, in the view's order.
+      segment: the union of their segments.
+      ends: the boundaries among the segment's outputs, where gradients arrive.
+      inner: with nested recomputation, the schedule of the segment itself, recomputed from
+        its frontier keeping only the next level's checkpoints inside it; else None.
+    """
+
+    boundary_ops: tuple[tf.Operation, ...]
+    segment: Segment
+    ends: tuple[tf.Tensor, ...]
+    inner: Schedule | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Boundaries, the segment behind each boundary op and behind the ys, and the steps,
+    each with the schedule nested inside it: the one tree the simulator, the plan's report
+    and the rewrite walk.
+
+    Attributes:
+      view: the forward graph scheduled (for a nested schedule, its segment's).
+      checkpoints, nested: the checkpoints it keeps, and those of each further level.
       boundaries: the boundary tensors by `ref()`.
       last: the segment behind the ys, differentiated on the forward pass's own ops.
       segments: the segment behind each boundary op.
-      steps: groups of boundary ops in backprop order; the segments of a group share ops, so
-        they are differentiated together.
+      steps: the steps in backprop order; the segments of a step share ops, so they are
+        differentiated together.
     """
 
+    view: ForwardView
+    checkpoints: tuple[tf.Tensor, ...]
+    nested: tuple[tuple[tf.Tensor, ...], ...]
     boundaries: dict[object, tf.Tensor]
     last: Segment
     segments: dict[tf.Operation, Segment]
-    steps: tuple[tuple[tf.Operation, ...], ...]
+    steps: tuple[Step, ...]
 
     @classmethod
-    def build(cls, view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> Schedule:
+    def build(
+        cls,
+        view: ForwardView,
+        checkpoints: Sequence[tf.Tensor],
+        nested: Sequence[Sequence[tf.Tensor]] = (),
+    ) -> Schedule:
+        """The schedule of backprop keeping `checkpoints`, and inside each step whose segment
+        holds checkpoints of `nested[0]`, only those while it is recomputed (and so on for
+        each further level of `nested`)."""
         boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
 
         def is_boundary(tensor: tf.Tensor) -> bool:
@@ -94,15 +128,36 @@ class Schedule:
         }
         dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
         steps = [
-            group
+            _step(view, group, segments, is_boundary, nested)
             for level in reversed(list(toposort(dependencies)))
             for group in _independent_groups(level, segments, view.order)
         ]
         last = Segment.behind([y.op for y in view.ys], view, is_boundary)
-        return cls(boundaries, last, segments, tuple(steps))
+        nested_levels = tuple(tuple(level) for level in nested)
+        return cls(
+            view, tuple(checkpoints), nested_levels, boundaries, last, segments, tuple(steps)
+        )
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
+
+
+def _step(
+    view: ForwardView,
+    boundary_ops: tuple[tf.Operation, ...],
+    segments: dict[tf.Operation, Segment],
+    is_boundary: Callable[[tf.Tensor], bool],
+    nested: Sequence[Sequence[tf.Tensor]],
+) -> Step:
+    segment = Segment.union([segments[op] for op in boundary_ops])
+    ends = tuple(
+        t for op in sorted(segment.ops, key=view.order) for t in op.outputs if is_boundary(t)
+    )
+    inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
+    if not inner:
+        return Step(boundary_ops, segment, ends)
+    sub = ForwardView.build(ends, list(segment.frontier), through_xs=False)
+    return Step(boundary_ops, segment, ends, Schedule.build(sub, inner, nested[1:]))
 
 
 def recomputed_repeatedly(

@@ -32,7 +32,7 @@ def in_several_steps(schedule: Schedule) -> set[tf.Operation]:
     seen: set[tf.Operation] = set()
     repeated: set[tf.Operation] = set()
     for step in schedule.steps:
-        ops = frozenset().union(*(schedule.segments[op].ops for op in step))
+        ops = step.segment.ops
         repeated |= ops & seen
         seen |= ops
     return repeated
