@@ -149,7 +149,7 @@ class _Run:
         """Under XLA, the copies a step recomputing `ops` at level `chain[0]` makes of the
         tensors it reads through its gate (`read`) that a contraction among `ops` reads
         (`costs.CONTRACTIONS`; XLA fuses `x - 0` into element-wise readers, NOTE [gates under
-        XLA] in `_tf.py`): weights and boundaries. Each lives at that level until
+        XLA] in `gates.py`): weights and boundaries. Each lives at that level until
         its last reader there; the step's last hold on an `inherited` original is given up
         as it is copied. Returns the copied tensors, which the step releases as it does
         what it inherits."""

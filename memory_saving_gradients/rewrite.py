@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, editor
+from memory_saving_gradients import _tf, editor, gates
 from memory_saving_gradients.inputs import Gradient
 from memory_saving_gradients.schedule import Schedule, Segment, recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -124,7 +124,7 @@ class _Backprop:
         waited_parts = [part.gradient for part in waited]
         arriving = _flat(incoming)
         values = [self.values.of(t) for t in read]
-        gated, passed = _tf.gate([*values, *arriving], arriving[0], _flat(waited_parts), scope)
+        gated, passed = gates.gate([*values, *arriving], arriving[0], _flat(waited_parts), scope)
         gated_incoming = tf.nest.pack_sequence_as(
             incoming, gated[len(read) :], expand_composites=True
         )
@@ -293,9 +293,9 @@ def _run(
                 else Segment.union([schedule.segments[op] for op in reached_ops])
             )
             read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
-            gates, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
-            gated = {t.ref(): gate for t, gate in zip(read, gates, strict=True)}
-            for t, gate in zip(read, gates, strict=True):
+            gated_reads, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
+            gated = {t.ref(): gate for t, gate in zip(read, gated_reads, strict=True)}
+            for t, gate in zip(read, gated_reads, strict=True):
                 backprop.passed.setdefault(t.ref(), []).append(gate)
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
@@ -389,7 +389,7 @@ def _released_after_reads(
 
 def _passed_on(tensor: tf.Tensor, like: tf.Tensor | None = None) -> tf.Tensor:
     """An identity of `tensor`, placed and colocated like it, or like `like`."""
-    with _tf.placed_like(tensor if like is None else like):
+    with gates.placed_like(tensor if like is None else like):
         return tf.identity(tensor)
 
 

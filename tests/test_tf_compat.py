@@ -55,103 +55,39 @@ def test_copy_op_keeps_the_gradient_override_of_custom_gradients():
         np.testing.assert_array_equal(run(gradient), [7.0, 7.0])
 
 
-def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():
-    with tf.Graph().as_default():
-        v = tf.Variable(tf.zeros([2]))
-        with tf.device("/cpu:0"):
-            x = tf1.placeholder(tf.float32, [None, 3])
-        gradient = tf.constant([5.0, 6.0])
-        weight_part = tf.constant([7.0])
-        with tf.device("/device:CPU:1"), tf1.control_dependencies([v.op]), tf.name_scope("s"):
-            (gated_x, gated_handle, gated_gradient), waits = _tf.gate(
-                [x, v.handle, gradient], gradient, [weight_part], scope="step/"
-            )
-        assert waits == [weight_part]
-        assert gated_x.op.device == x.op.device
-        assert gated_x.op.colocation_groups() == x.op.colocation_groups()
-        assert gated_handle.op.colocation_groups() == v.handle.op.colocation_groups()
-        assert gated_x.shape.as_list() == [None, 3]
-        assert gated_x.op.name.startswith("step/")
-        assert not gated_x.op.control_inputs
-        # Each passed tensor depends by data on a zero that reads `after` and waits (control)
-        # for the waits.
-        zero = gated_x.op.inputs[1].op.inputs[1].op
-        assert zero.name == "step/zero"
-        upstream = set()
-        stack = [zero]
-        while stack:
-            op = stack.pop()
-            if op not in upstream:
-                upstream.add(op)
-                stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-        assert {gradient.op, weight_part.op} <= upstream
-        read = tf.raw_ops.ReadVariableOp(resource=gated_handle, dtype=tf.float32)
-        assert read.shape.as_list() == [2]  # the handle's data (shape, dtype) came along
-        value = np.arange(6, dtype=np.float32).reshape(2, 3)
-        got_x, got_gradient = run([gated_x, gated_gradient], {x: value})
-        np.testing.assert_array_equal(got_x, value)
-        np.testing.assert_array_equal(got_gradient, [5.0, 6.0])
-
-
-def test_gate_survives_graph_optimizers_as_an_ordering():
-    """Grappler drops identities and IdentityN outputs nobody reads; the gate must stay: the
-    passed tensor is used after the wait (itself fetched, as gradients are) in the optimized
-    graph too."""
+def test_outside_caller_scopes_leaves_the_callers_scopes_and_keeps_xla_compilation():
     with tf.Graph().as_default() as graph:
-        x = tf.Variable(tf.ones([4])).read_value()
-        wait = tf.reduce_sum(tf.sin(x))
-        (gated,), _ = _tf.gate([x], wait, [], scope="step/")
-        fetch = tf.tanh(gated)
-        init = tf1.global_variables_initializer()
-    metadata = tf1.RunMetadata()
-    options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
-    with tf1.Session(graph=graph) as session:
-        session.run(init)
-        session.run([fetch, wait], options=options, run_metadata=metadata)
-    started = {
-        node.node_name: node.all_start_micros
-        for device in metadata.step_stats.dev_stats
-        for node in device.node_stats
-    }
-    assert started["Sum"] <= started["Tanh"]
-    assert any(name.startswith("step/") for name in started)
-
-
-def _reads(op: tf.Operation, target: tf.Operation) -> bool:
-    """Whether `op` reads, through data inputs only, what `target` makes."""
-    stack, seen = [op], set()
-    while stack:
-        op = stack.pop()
-        if op is target:
-            return True
-        if op not in seen:
-            seen.add(op)
-            stack.extend(t.op for t in op.inputs)
-    return False
-
-
-def test_gate_under_xla_passes_values_exactly_through_a_data_dependency():
-    """XLA ignores control dependencies and expands optimization barriers early (NOTE [gates
-    under XLA]): the gated tensors must read the waits as data, and equal their inputs bit for
-    bit (signed zeros, infinities, NaNs, integers, booleans)."""
+        x = tf.constant(1.0, name="x")
+        with (
+            tf.name_scope("caller"),
+            tf1.colocate_with(x.op),
+            tf1.control_dependencies([x]),
+            _tf.outside_caller_scopes(graph),
+        ):
+            free = tf.constant(2.0, name="free")
+    assert free.op.name == "free"
+    assert free.op.control_inputs == []
+    assert free.op.colocation_groups() == [b"loc:@free"]
     seen = {}
 
     @tf.function(jit_compile=True)
-    def step(x, n, b, g):
-        (gx, gn, gb), (passed,) = _tf.gate([x, n, b], g, [g], scope="step/")
-        seen["passed"] = passed is g
-        seen["reads"] = [_reads(t.op, g.op) for t in (gx, gn, gb)]
-        seen["control"] = [op.name for t in (gx, gn, gb) for op in t.op.control_inputs]
-        return gx, gn, gb
+    def compiled(v):
+        with _tf.outside_caller_scopes(v.graph):
+            seen["xla"] = _tf.compiled_by_xla(v.graph)
+            return tf.sin(v)
 
-    x = tf.constant([-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5])
-    n, b = tf.constant([-3, 7]), tf.constant([True, False])
-    gx, gn, gb = step(x, n, b, tf.constant([np.nan, 4.0]))
-    np.testing.assert_array_equal(np.signbit(gx.numpy()), np.signbit(x.numpy()))
-    np.testing.assert_array_equal(gx.numpy(), x.numpy())
-    np.testing.assert_array_equal(gn.numpy(), n.numpy())
-    np.testing.assert_array_equal(gb.numpy(), b.numpy())
-    assert seen == {"passed": True, "reads": [True, True, True], "control": []}
+    compiled(tf.constant(1.0))
+    assert seen["xla"]
+
+
+def test_copy_handle_data_lets_a_pass_through_of_a_handle_read_the_variable():
+    with tf.Graph().as_default():
+        v = tf.Variable([1.0, 2.0])
+        passed = tf.raw_ops.Identity(input=v.handle)
+        _tf.copy_handle_data(v.handle, passed)
+        read = tf.raw_ops.ReadVariableOp(resource=passed, dtype=tf.float32)
+        assert read.shape.as_list() == [2]
+        np.testing.assert_array_equal(run(read), [1.0, 2.0])
 
 
 def test_is_function_call():
