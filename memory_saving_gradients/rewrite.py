@@ -1,8 +1,9 @@
 """Checkpointed backprop: differentiate the forward pass step by step, recomputing each segment.
 
-A `Schedule` gives the boundaries, the segments between them and the steps. Each call of
-TensorFlow's own gradient function differentiates one step and stops at the boundaries it
-reaches, returning the gradient that arrives at each of them.
+A `Schedule` gives the boundaries, the segments between them and the steps, each with the
+schedule nested inside it. Each call of TensorFlow's own gradient function differentiates one
+step and stops at the boundaries it reaches, returning the gradient that arrives at each of
+them.
 
 1. The ys are differentiated on the original forward ops, which are still in memory when the
    backward pass starts, down to the first boundaries.
@@ -11,7 +12,10 @@ reaches, returning the gradient that arrives at each of them.
    the step's gate (NOTE [gates]), so that the executor recomputes a segment only once
    backprop reaches it. A gate is private to its step, so TensorFlow's gradient call, which
    walks everything downstream of what it differentiates against, walks that step only.
-3. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
+3. A step with an inner schedule runs it on its copies: the inner steps copy the originals
+   once more, reading the outer copies and gates through gates of their own (`_Values` says
+   what stands for each tensor at each level).
+4. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
    Ops that are not recomputed (variable reads) are differentiated as they ran, in the step
    of their outputs.
 """

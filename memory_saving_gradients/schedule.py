@@ -5,12 +5,15 @@ boundaries. Behind each boundary op lies its segment: the ops that produce it ag
 boundaries before it. Backprop takes segments in steps, latest first, a step once every
 segment reading its boundaries is done. Segments that share no op and read none of each
 other's boundaries do not depend on each other; each gets a step of its own, one after the
-other, so their recomputed tensors are never alive at once.
+other, so their recomputed tensors are never alive at once. With nested recomputation, a step
+whose segment holds checkpoints of the next level carries the schedule of that segment,
+recomputed from its frontier keeping only those: a tree.
 
-The rewrite runs a schedule; building one walks each segment once. Which ops a checkpoint
-list would recompute in several steps (`recomputed_repeatedly`, what 'speed' asks while it
-chooses) is found without building one: where a path is left uncut the segments behind it
-overlap, and walking each of them is quadratic.
+That tree is built once per plan, and the simulator (`footprint`), the plan's report and the
+rewrite all walk it, so what is predicted is what runs. Building it walks each segment once.
+Which ops a checkpoint list would recompute in several steps (`recomputed_repeatedly`, what
+'speed' asks while it chooses) is found without building one: where a path is left uncut the
+segments behind it overlap, and walking each of them is quadratic.
 """
 
 from __future__ import annotations
