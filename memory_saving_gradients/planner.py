@@ -24,6 +24,9 @@ recompute more than the best so far, stops raising the top-level peak once that 
 better, and reuses what it found for a segment, which it meets again under many top-level
 cuts. Each level costs about one more forward pass and takes the square root of what it
 holds, so a few levels reach O(log n) activations on chains.
+
+The plans for budgets and for the least peak are searched over these cuts in `strategies`;
+the knobs of both are in `tunables`.
 """
 
 from __future__ import annotations
@@ -36,19 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import costs
+from memory_saving_gradients import costs, tunables
 from memory_saving_gradients.view import ForwardView
-
-#: Bisection steps on the peak: the result is within 2**-30 of the best peak the model allows.
-BISECTION_STEPS = 30
-#: Among cuts of equal size, prefer those made of tensors backprop would not hold anyway (a
-#: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
-#: while a held one (the tanh output) lives on until its readers' gradients are done.
-TIE_BREAK = -1e-3
-#: Levels of recomputation nested inside the top level, at most.
-MAX_NESTING = 3
-#: Larger top-level peaks tried for nested plans, as multiples of the target.
-NESTING_SCALES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +113,7 @@ class Order:
                     made.append(i)
                     last.append(end)
                     bytes_ = costs.tensor_bytes(tensor)
-                    weight.append(bytes_ if kept else bytes_ * (1 + TIE_BREAK))
+                    weight.append(bytes_ if kept else bytes_ * (1 + tunables.TIE_BREAK))
         flops = np.array([cost[op].flops for op in ops], dtype=float)
         gradients = _held_gradients(view, position) if view.gradients_held else np.zeros(len(ops))
         return cls(
@@ -160,7 +152,7 @@ def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple
     cut_cost = order.cut_costs(start, end)
     best: list[int] = []
     low, high = order.least_peak(start, end), order.segment_peak(start, end)
-    for _ in range(BISECTION_STEPS if len(held) > 1 else 0):
+    for _ in range(tunables.BISECTION_STEPS if len(held) > 1 else 0):
         peak = (low + high) / 2
         found = _cuts_within(held, gradients, cut_cost, peak)
         if found is None:
@@ -175,7 +167,7 @@ def within(
     peak: float,
     start: int = 0,
     end: int | None = None,
-    nesting: int = MAX_NESTING,
+    nesting: int = tunables.MAX_NESTING,
     cheaper_than: float = np.inf,
 ) -> Cuts | None:
     """The cuts of ops [start, end) that recompute least while the model peak stays within
@@ -228,9 +220,9 @@ class _Searched:
 
 def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None, float]:
     """`within`, searched, with what the cuts found recompute: one level if it fits, else
-    top-level cuts for ever larger peaks (`NESTING_SCALES`) with their segments planned within
-    the target in turn, until a peak does no better than the one before (larger top-level
-    peaks leave larger segments to nest, and recompute more from there on)."""
+    top-level cuts for ever larger peaks (`tunables.NESTING_SCALES`) with their segments
+    planned within the target in turn, until a peak does no better than the one before
+    (larger top-level peaks leave larger segments to nest, and recompute more from there on)."""
     held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
     flat = _cuts_within(held, gradients, cut_cost, peak, longest_last_segment=True)
@@ -241,7 +233,7 @@ def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None
         work = recompute_flops(order, cuts, start, end)
         return (cuts, work) if work < cheaper_than else (None, np.inf)
     best, work = None, np.inf
-    for scale in NESTING_SCALES:
+    for scale in tunables.NESTING_SCALES:
         top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
         if not top:
             continue

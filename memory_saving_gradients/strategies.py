@@ -25,7 +25,7 @@ from typing import TypeGuard
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, costs, footprint, planner
+from memory_saving_gradients import _tf, costs, footprint, planner, tunables
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -41,17 +41,6 @@ EXPENSIVE_OP_TYPES = costs.CONTRACTIONS | {
 }  # fmt: skip
 
 Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
-#: Plans simulated while looking for the one that fits a budget, at most.
-BUDGET_BISECTIONS = 6
-#: Model peaks tried between one level's least and the least any cuts allow, bisected.
-LEAST_PEAK_BISECTIONS = 6
-#: One level's cuts are also tried for these multiples of its least model peak: the
-#: simulated peak does not rise steadily with the model's (zoo Inception: 0.68 of plain at
-#: 1.5 times the least, 0.71 at the least).
-ONE_LEVEL_SCALES = (1.1, 1.25, 1.5)
-#: 'memory' takes the plan recomputing least among those whose predicted peak is within this
-#: fraction of the least: a level of nesting costs about one more forward pass.
-NESTING_GAIN = 0.03
 CheckpointsArg = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 
@@ -121,7 +110,9 @@ def memory(view: ForwardView) -> Plan:
     candidates = _least_peak_candidates(view, order, "'memory'", footprint.plain_peak(view))
     least = min(plan.peak_bytes for plan, _ in candidates)
     close = [
-        (work, plan) for plan, work in candidates if plan.peak_bytes <= least * (1 + NESTING_GAIN)
+        (work, plan)
+        for plan, work in candidates
+        if plan.peak_bytes <= least * (1 + tunables.NESTING_GAIN)
     ]
     return min(close, key=lambda pair: pair[0])[1]
 
@@ -220,15 +211,15 @@ def _within_budget(
         if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
             return widest
         fitting, low, high = least, flat_peak, max(target, flat_peak)
-        for _ in range(BUDGET_BISECTIONS):
+        for _ in range(tunables.BUDGET_BISECTIONS):
             middle = (low + high) / 2
             if fits(plan := plan_for(middle, nesting=0)):
                 fitting, low = plan, middle
             else:
                 high = middle
         return fitting
-    for _ in range(BUDGET_BISECTIONS):
-        plan = plan_for(target, nesting=planner.MAX_NESTING)
+    for _ in range(tunables.BUDGET_BISECTIONS):
+        plan = plan_for(target, nesting=tunables.MAX_NESTING)
         if plan is None:
             break
         if fits(plan):
@@ -254,11 +245,11 @@ def _least_peak_candidates(
     with the model's, so each is simulated."""
     flat, high = planner.smallest_peak(order)
     found = {flat: None}
-    for scale in ONE_LEVEL_SCALES:
+    for scale in tunables.ONE_LEVEL_SCALES:
         if (cuts := planner.within(order, scale * high, nesting=0)) is not None:
             found[cuts] = None
     low = order.least_peak()
-    for _ in range(LEAST_PEAK_BISECTIONS):
+    for _ in range(tunables.LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2
         cuts = planner.within(order, middle)
         if cuts is None:

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import strategies
+from memory_saving_gradients import tunables
 from memory_saving_gradients.profiling import peak_memory
 from tests import zoo
 from tests.helpers import assert_recomputes, assert_same_gradients, one_level
@@ -52,7 +52,7 @@ def test_memory_nests_where_that_lowers_the_peak():
     assert flat.nested == ()
     assert 0.6 < flat.recompute_flops_fraction <= 1.0
     assert least.nested
-    assert least.peak_bytes < (1 - strategies.NESTING_GAIN) * flat.peak_bytes
+    assert least.peak_bytes < (1 - tunables.NESTING_GAIN) * flat.peak_bytes
     assert least.recompute_flops_fraction > flat.recompute_flops_fraction
 
 
@@ -225,4 +225,4 @@ def test_memory_predicts_the_least_peak_of_every_strategy_on_the_zoo(name):
 
     trace.get_concrete_function(*model.inputs)
     least = min(peaks.values())
-    assert peaks["memory"] <= least * (1 + strategies.NESTING_GAIN), peaks
+    assert peaks["memory"] <= least * (1 + tunables.NESTING_GAIN), peaks

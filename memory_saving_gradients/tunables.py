@@ -1,0 +1,33 @@
+"""Every knob of the checkpoint search, in one place.
+
+`planner` (the cut search: a dynamic programme over an order of ops, nested) and
+`strategies` (the bisections over it for budgets and the least peak) both read them; neither
+holds any of its own. Each says what it trades.
+"""
+
+# The cut search (`planner`).
+
+#: Bisection steps on the peak: the result is within 2**-30 of the best peak the model allows.
+BISECTION_STEPS = 30
+#: Among cuts of equal size, prefer those made of tensors backprop would not hold anyway (a
+#: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
+#: while a held one (the tanh output) lives on until its readers' gradients are done.
+TIE_BREAK = -1e-3
+#: Levels of recomputation nested inside the top level, at most.
+MAX_NESTING = 3
+#: Larger top-level peaks tried for nested plans, as multiples of the target.
+NESTING_SCALES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+
+# The search for budgets and for the least peak (`strategies`).
+
+#: Plans simulated while looking for the one that fits a budget, at most.
+BUDGET_BISECTIONS = 6
+#: Model peaks tried between one level's least and the least any cuts allow, bisected.
+LEAST_PEAK_BISECTIONS = 6
+#: One level's cuts are also tried for these multiples of its least model peak: the
+#: simulated peak does not rise steadily with the model's (zoo Inception: 0.68 of plain at
+#: 1.5 times the least, 0.71 at the least).
+ONE_LEVEL_SCALES = (1.1, 1.25, 1.5)
+#: 'memory' takes the plan recomputing least among those whose predicted peak is within this
+#: fraction of the least: a level of nesting costs about one more forward pass.
+NESTING_GAIN = 0.03
