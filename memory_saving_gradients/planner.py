@@ -25,8 +25,8 @@ better, and reuses what it found for a segment, which it meets again under many 
 cuts. Each level costs about one more forward pass and takes the square root of what it
 holds, so a few levels reach O(log n) activations on chains.
 
-The plans for budgets and for the least peak are searched over these cuts in `strategies`;
-the knobs of both are in `tunables`.
+The plans for budgets and for the least peak are searched over these cuts in `search`; the
+knobs of both are in `tunables`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ like a JAX checkpoint policy:
 
 `select_checkpoints` turns any `checkpoints` argument into a Plan: it keeps the returned
 tensors that can serve (made by a recomputable op between xs and ys), logs the others with the
-reason, and raises a clear error when nothing usable is left.
+reason, and raises a clear error when nothing usable is left. How the plans of 'memory',
+'balanced' and budgets are found is `search`'s business.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeGuard
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, costs, footprint, planner, tunables
+from memory_saving_gradients import _tf, costs, footprint, search
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -106,15 +106,7 @@ def memory(view: ForwardView) -> Plan:
     When no cuts lower the peak (tiny graphs), none are kept and gradients are computed as
     `tf.gradients` does, which is logged.
     """
-    order = planner.Order.of(view, view.costs)
-    candidates = _least_peak_candidates(view, order, "'memory'", footprint.plain_peak(view))
-    least = min(plan.peak_bytes for plan, _ in candidates)
-    close = [
-        (work, plan)
-        for plan, work in candidates
-        if plan.peak_bytes <= least * (1 + tunables.NESTING_GAIN)
-    ]
-    return min(close, key=lambda pair: pair[0])[1]
+    return search.least_peak(view, "'memory'")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -130,7 +122,7 @@ class MemoryBudget:
     pass (on chains, down to O(log n) activations; 'memory' takes the least of those). Pass
     it wherever `checkpoints` is accepted, e.g. `checkpoints=MemoryBudget(0.25)` or
     `MemoryBudget(bytes=12 * 2**30)`. Plans keep the largest recomputed tensor free beside
-    the budget (`_headroom`). At a budget no plan fits, the smallest predicted
+    the budget (`search.budget_headroom`). At a budget no plan fits, the smallest predicted
     peak's plan is used and that peak is logged; at or above plain backprop's peak nothing is
     recomputed.
     """
@@ -162,127 +154,16 @@ class MemoryBudget:
         else:
             assert self.fraction is not None  # __post_init__ checks that one is given
             budget = self.fraction * plain
-        return _within_budget(view, budget, plain, repr(self), _headroom(view))
-
-
-def _headroom(view: ForwardView) -> int:
-    """What a budget keeps free beside the predicted peak: the largest tensor a recomputed op
-    makes. TensorFlow's executor may order ready ops so that one more tensor is alive than
-    the cost model's order has, and its allocator hands a request a free block of up to twice
-    its size whole (128-layer chain, MemoryBudget(0.1): predicted 26 MiB, measured 28)."""
-    return max(
-        (view.bytes(t) for op in view.ops if op in view.recomputable for t in op.outputs),
-        default=0,
-    )
-
-
-def _within_budget(
-    view: ForwardView, budget: float, plain: int, name: str, headroom: int = 0
-) -> Plan:
-    """The plan recomputing least whose predicted peak is within `budget` bytes, less
-    `headroom`; where none is, the one with the smallest predicted peak (logged unless it is
-    within `budget`).
-
-    The planner's model counts what gradients read; its peak for a plan is below the
-    simulated one. Where one level of cuts reaches the budget, the largest model peak whose
-    plan fits is bisected between one level's least and the budget scaled to the model;
-    below, nested plans are tried for model peaks tightened until one fits, and then the
-    plan with the smallest predicted peak, which may still fit.
-    """
-    order = planner.Order.of(view, view.costs)
-    if budget >= plain or not len(order.ops):
-        return Plan(view, [()], name, plain)
-
-    def plan_for(model_peak: float, nesting: int) -> Plan | None:
-        cuts = planner.within(order, model_peak, nesting=nesting)
-        return (
-            None if cuts is None else Plan(view, planner.checkpoints_of(order, cuts), name, plain)
-        )
-
-    usable = budget - headroom
-
-    def fits(plan: Plan | None) -> TypeGuard[Plan]:
-        return plan is not None and plan.peak_bytes <= usable
-
-    flat, flat_peak = planner.smallest_peak(order)
-    least = Plan(view, planner.checkpoints_of(order, flat), name, plain)
-    target = usable * order.segment_peak() / plain if plain else usable
-    if fits(least):
-        if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
-            return widest
-        fitting, low, high = least, flat_peak, max(target, flat_peak)
-        for _ in range(tunables.BUDGET_BISECTIONS):
-            middle = (low + high) / 2
-            if fits(plan := plan_for(middle, nesting=0)):
-                fitting, low = plan, middle
-            else:
-                high = middle
-        return fitting
-    for _ in range(tunables.BUDGET_BISECTIONS):
-        plan = plan_for(target, nesting=tunables.MAX_NESTING)
-        if plan is None:
-            break
-        if fits(plan):
-            return plan
-        target *= 0.98 * usable / plan.peak_bytes
-    smallest = _smallest(view, order, name, plain)
-    if smallest.peak_bytes <= budget:
-        return smallest
-    logger.warning(
-        "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
-        "plain backprop's %.1f MiB); using the checkpoints that give it.",
-        name, budget / MIB, smallest.peak_bytes / MIB, smallest.peak_bytes / plain, plain / MIB,
-    )  # fmt: skip
-    return smallest
-
-
-def _least_peak_candidates(
-    view: ForwardView, order: planner.Order, name: str, plain: int
-) -> list[tuple[Plan, float]]:
-    """Plans whose predicted peaks may be the least, each with the forward compute it repeats:
-    one level's cuts for its least model peak and a few larger ones, and the distinct nested
-    plans for ever smaller model peaks (bisected). The simulated peak does not fall steadily
-    with the model's, so each is simulated."""
-    flat, high = planner.smallest_peak(order)
-    found = {flat: None}
-    for scale in tunables.ONE_LEVEL_SCALES:
-        if (cuts := planner.within(order, scale * high, nesting=0)) is not None:
-            found[cuts] = None
-    low = order.least_peak()
-    for _ in range(tunables.LEAST_PEAK_BISECTIONS):
-        middle = (low + high) / 2
-        cuts = planner.within(order, middle)
-        if cuts is None:
-            low = middle
-        else:
-            high = middle
-            found[cuts] = None
-    return [
-        (Plan(view, planner.checkpoints_of(order, cuts), name, plain),
-         planner.recompute_flops(order, cuts))
-        for cuts in found
-    ]  # fmt: skip
-
-
-def _smallest(view: ForwardView, order: planner.Order, name: str, plain: int) -> Plan:
-    """The plan with the smallest predicted peak of `_least_peak_candidates`."""
-    return min(
-        (plan for plan, _ in _least_peak_candidates(view, order, name, plain)),
-        key=lambda plan: plan.peak_bytes,
-    )
+        return search.within_budget(view, budget, plain, repr(self), search.budget_headroom(view))
 
 
 def balanced(view: ForwardView) -> Plan:
     """The plan recomputing least whose predicted peak is one level's least plus a third of
     what that saves: most of the savings for less recomputation (the longest final part of
     the forward pass that fits is not recomputed at all)."""
-    order = planner.Order.of(view, view.costs)
     plain = footprint.plain_peak(view)
-    flat, _ = planner.smallest_peak(order)
-    least = Plan(view, planner.checkpoints_of(order, flat), "one level", plain)
-    return _within_budget(
-        view, least.peak_bytes + (plain - least.peak_bytes) / 3, plain, "'balanced'"
-    )
+    least = search.one_level_least_peak(view, plain)
+    return search.within_budget(view, least + (plain - least) / 3, plain, "'balanced'")
 
 
 STRATEGIES: dict[str, Strategy] = {

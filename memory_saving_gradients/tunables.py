@@ -1,8 +1,8 @@
 """Every knob of the checkpoint search, in one place.
 
-`planner` (the cut search: a dynamic programme over an order of ops, nested) and
-`strategies` (the bisections over it for budgets and the least peak) both read them; neither
-holds any of its own. Each says what it trades.
+`planner` (the cut search: a dynamic programme over an order of ops, nested) and `search`
+(the bisections over it for budgets and the least peak) both read them; neither holds any of
+its own. Each says what it trades.
 """
 
 # The cut search (`planner`).
@@ -18,7 +18,7 @@ MAX_NESTING = 3
 #: Larger top-level peaks tried for nested plans, as multiples of the target.
 NESTING_SCALES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 
-# The search for budgets and for the least peak (`strategies`).
+# The search for budgets and for the least peak (`search`).
 
 #: Plans simulated while looking for the one that fits a budget, at most.
 BUDGET_BISECTIONS = 6

@@ -1,0 +1,148 @@
+"""The search for the plan that fits a budget, and for the one with the least peak.
+
+`planner` finds the cheapest cuts for a peak of its cost model, which counts what gradients
+read; the peak simulated for a plan (`footprint`) is above it, and does not rise or fall
+steadily with it. So plans for a budget of simulated bytes, or for the least simulated peak,
+are searched for here: model peaks are tried, bisected, each plan is simulated, and the best
+that fits is kept. Every knob of this search, and of planner's, is in `tunables`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeGuard
+
+from memory_saving_gradients import footprint, planner, tunables
+from memory_saving_gradients.plans import MIB, Plan
+from memory_saving_gradients.view import ForwardView
+
+logger = logging.getLogger(__name__)
+
+
+def least_peak(view: ForwardView, label: str) -> Plan:
+    """The plan recomputing least among those whose predicted peak is within
+    `tunables.NESTING_GAIN` of the least found, called `label`."""
+    order = planner.Order.of(view, view.costs)
+    candidates = _least_peak_candidates(view, order, label, footprint.plain_peak(view))
+    least = min(plan.peak_bytes for plan, _ in candidates)
+    close = [
+        (work, plan)
+        for plan, work in candidates
+        if plan.peak_bytes <= least * (1 + tunables.NESTING_GAIN)
+    ]
+    return min(close, key=lambda pair: pair[0])[1]
+
+
+def one_level_least_peak(view: ForwardView, plain: int) -> int:
+    """The predicted peak of the one-level cuts with the least model peak; `plain` is plain
+    backprop's predicted peak."""
+    order = planner.Order.of(view, view.costs)
+    flat, _ = planner.smallest_peak(order)
+    return Plan(view, planner.checkpoints_of(order, flat), "one level", plain).peak_bytes
+
+
+def budget_headroom(view: ForwardView) -> int:
+    """What a budget keeps free beside the predicted peak: the largest tensor a recomputed op
+    makes. TensorFlow's executor may order ready ops so that one more tensor is alive than
+    the cost model's order has, and its allocator hands a request a free block of up to twice
+    its size whole (128-layer chain, MemoryBudget(0.1): predicted 26 MiB, measured 28)."""
+    return max(
+        (view.bytes(t) for op in view.ops if op in view.recomputable for t in op.outputs),
+        default=0,
+    )
+
+
+def within_budget(
+    view: ForwardView, budget: float, plain: int, label: str, headroom: int = 0
+) -> Plan:
+    """The plan recomputing least whose predicted peak is within `budget` bytes, less
+    `headroom`; where none is, the one with the smallest predicted peak (logged unless it is
+    within `budget`). `plain` is plain backprop's predicted peak, `label` what the plan is
+    called.
+
+    Where one level of cuts reaches the budget, the largest model peak whose plan fits is
+    bisected between one level's least and the budget scaled to the model; below, nested
+    plans are tried for model peaks tightened until one fits, and then the plan with the
+    smallest predicted peak, which may still fit.
+    """
+    order = planner.Order.of(view, view.costs)
+    if budget >= plain or not len(order.ops):
+        return Plan(view, [()], label, plain)
+
+    def plan_for(model_peak: float, nesting: int) -> Plan | None:
+        cuts = planner.within(order, model_peak, nesting=nesting)
+        return (
+            None if cuts is None else Plan(view, planner.checkpoints_of(order, cuts), label, plain)
+        )
+
+    usable = budget - headroom
+
+    def fits(plan: Plan | None) -> TypeGuard[Plan]:
+        return plan is not None and plan.peak_bytes <= usable
+
+    flat, flat_peak = planner.smallest_peak(order)
+    least = Plan(view, planner.checkpoints_of(order, flat), label, plain)
+    target = usable * order.segment_peak() / plain if plain else usable
+    if fits(least):
+        if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
+            return widest
+        fitting, low, high = least, flat_peak, max(target, flat_peak)
+        for _ in range(tunables.BUDGET_BISECTIONS):
+            middle = (low + high) / 2
+            if fits(plan := plan_for(middle, nesting=0)):
+                fitting, low = plan, middle
+            else:
+                high = middle
+        return fitting
+    for _ in range(tunables.BUDGET_BISECTIONS):
+        plan = plan_for(target, nesting=tunables.MAX_NESTING)
+        if plan is None:
+            break
+        if fits(plan):
+            return plan
+        target *= 0.98 * usable / plan.peak_bytes
+    smallest = _smallest(view, order, label, plain)
+    if smallest.peak_bytes <= budget:
+        return smallest
+    logger.warning(
+        "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
+        "plain backprop's %.1f MiB); using the checkpoints that give it.",
+        label, budget / MIB, smallest.peak_bytes / MIB, smallest.peak_bytes / plain, plain / MIB,
+    )  # fmt: skip
+    return smallest
+
+
+def _least_peak_candidates(
+    view: ForwardView, order: planner.Order, label: str, plain: int
+) -> list[tuple[Plan, float]]:
+    """Plans whose predicted peaks may be the least, each with the forward compute it repeats:
+    one level's cuts for its least model peak and a few larger ones, and the distinct nested
+    plans for ever smaller model peaks (bisected). The simulated peak does not fall steadily
+    with the model's, so each is simulated."""
+    flat, high = planner.smallest_peak(order)
+    found = {flat: None}
+    for scale in tunables.ONE_LEVEL_SCALES:
+        if (cuts := planner.within(order, scale * high, nesting=0)) is not None:
+            found[cuts] = None
+    low = order.least_peak()
+    for _ in range(tunables.LEAST_PEAK_BISECTIONS):
+        middle = (low + high) / 2
+        cuts = planner.within(order, middle)
+        if cuts is None:
+            low = middle
+        else:
+            high = middle
+            found[cuts] = None
+    return [
+        (Plan(view, planner.checkpoints_of(order, cuts), label, plain),
+         planner.recompute_flops(order, cuts))
+        for cuts in found
+    ]  # fmt: skip
+
+
+def _smallest(view: ForwardView, order: planner.Order, label: str, plain: int) -> Plan:
+    """The plan with the smallest predicted peak of `_least_peak_candidates`."""
+    return min(
+        (plan for plan, _ in _least_peak_candidates(view, order, label, plain)),
+        key=lambda plan: plan.peak_bytes,
+    )
