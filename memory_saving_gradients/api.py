@@ -21,11 +21,10 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, captures, inputs, rewrite
-from memory_saving_gradients.inputs import Gradient, TensorLike
+from memory_saving_gradients.inputs import CheckpointsArg, Gradient, TensorLike
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
 from memory_saving_gradients.strategies import (
-    CheckpointsArg,
     MemoryBudget,
     NoCheckpointsError,
     log_plan,

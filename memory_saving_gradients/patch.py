@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf
 from memory_saving_gradients.api import GradientOptions, compute_gradients
-from memory_saving_gradients.strategies import CheckpointsArg
+from memory_saving_gradients.inputs import CheckpointsArg
 
 logger = logging.getLogger(__name__)
 

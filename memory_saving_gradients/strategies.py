@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs, footprint, search
+from memory_saving_gradients.inputs import CheckpointsArg, Strategy
 from memory_saving_gradients.plans import MIB, Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
@@ -39,9 +40,6 @@ CHECKPOINTS_COLLECTION = "checkpoints"
 EXPENSIVE_OP_TYPES = costs.CONTRACTIONS | {
     "Conv", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "SparseMatMul"
 }  # fmt: skip
-
-Strategy = Callable[[ForwardView], "Sequence[tf.Tensor] | Plan"]
-CheckpointsArg = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 
 class NoCheckpointsError(ValueError):

@@ -29,8 +29,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf, graph
 from memory_saving_gradients.api import gradients, unconnected_filled
-from memory_saving_gradients.inputs import graph_of
-from memory_saving_gradients.strategies import CheckpointsArg
+from memory_saving_gradients.inputs import CheckpointsArg, graph_of
 
 logger = logging.getLogger(__name__)
 
