@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 #: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
 #: the first use of a name does, so a command can quiet TensorFlow before it starts.
 _PUBLIC = {
-    "CHECKPOINTS_COLLECTION": "strategies",
+    "CHECKPOINTS_COLLECTION": "policies",
     "ForwardView": "view",
     "GradientTape": "tape",
-    "MemoryBudget": "strategies",
-    "NoCheckpointsError": "strategies",
+    "MemoryBudget": "policies",
+    "NoCheckpointsError": "policies",
     "Plan": "plans",
-    "add_checkpoint": "strategies",
+    "add_checkpoint": "policies",
     "gradients": "api",
     "gradients_collection": "api",
     "gradients_memory": "api",
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     )
     from memory_saving_gradients.patch import patch, patched, unpatch
     from memory_saving_gradients.plans import Plan
-    from memory_saving_gradients.strategies import (
+    from memory_saving_gradients.policies import (
         CHECKPOINTS_COLLECTION,
         MemoryBudget,
         NoCheckpointsError,

@@ -23,13 +23,8 @@ import tensorflow as tf
 from memory_saving_gradients import _tf, captures, inputs, rewrite
 from memory_saving_gradients.inputs import CheckpointsArg, Gradient, TensorLike
 from memory_saving_gradients.plans import MIB, Plan
+from memory_saving_gradients.policies import MemoryBudget, NoCheckpointsError, plan_for
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
-from memory_saving_gradients.strategies import (
-    MemoryBudget,
-    NoCheckpointsError,
-    log_plan,
-    select_checkpoints,
-)
 from memory_saving_gradients.view import ForwardView
 
 logger = logging.getLogger(__name__)
@@ -145,7 +140,7 @@ def _checkpointed(
     view = ForwardView.build(args.ys, unique_xs, args.grad_ys is not None, gradients_held)
     _report_unreachable(view)
     try:
-        plan = select_checkpoints(view, checkpoints)
+        plan = plan_for(view, checkpoints)
     except NoCheckpointsError as error:
         if refuse:
             raise
@@ -154,7 +149,7 @@ def _checkpointed(
     if plan is None or not plan.pays:
         _log_plain(plan, checkpoints)
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
-    log_plan(plan)
+    _log_plan(plan)
     return rewrite.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)
 
 
@@ -189,7 +184,18 @@ def plan(
         view = ForwardView.build(
             flowing.ys, body.unique_xs, flowing.grad_ys is not None, gradients_held
         )
-        return select_checkpoints(view, checkpoints).predicted()
+        return plan_for(view, checkpoints).predicted()
+
+
+def _log_plan(plan: Plan) -> None:
+    """Say what `plan` keeps and, where info logging is on, its predicted peaks."""
+    logger.info("Checkpointing with %s: %d tensors.", plan.strategy, len(plan.checkpoints))
+    logger.debug("Checkpoints: %s", [t.name for t in plan.checkpoints])
+    if logger.isEnabledFor(logging.INFO) and plan.checkpoints:
+        logger.info(
+            "%s: predicted activation peak %.1f MiB, %.1f MiB without checkpoints.",
+            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
+        )  # fmt: skip
 
 
 def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:

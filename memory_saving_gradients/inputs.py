@@ -26,7 +26,7 @@ Gradient: TypeAlias = tf.Tensor | tf.IndexedSlices
 Strategy: TypeAlias = Callable[[ForwardView], Sequence[tf.Tensor] | Plan]
 #: What users pass as `checkpoints`: a strategy's name, a strategy (a `MemoryBudget`, one's
 #: own), a Plan, or tensors and tensor names. It lives here with the other argument types,
-#: not in `api`: `strategies` names it too, and `api` imports `strategies`.
+#: not in `api`: `policies` names it too, and `api` imports `policies`.
 CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 

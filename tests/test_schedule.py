@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, event, given, settings
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import inputs
+from memory_saving_gradients.policies import EXPENSIVE_OP_TYPES
 from memory_saving_gradients.schedule import Schedule, recomputed_repeatedly
-from memory_saving_gradients.strategies import EXPENSIVE_OP_TYPES
 from memory_saving_gradients.view import ForwardView
 from tests.random_graphs import Variables, build, programs
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import strategies
+from memory_saving_gradients import policies
 from memory_saving_gradients.cli import models
 
 
@@ -35,6 +35,6 @@ def plans(
 
 def _why(checkpoints: str | msg.MemoryBudget) -> str:
     """The first paragraph of the strategy's docstring, on one line."""
-    strategy = strategies.STRATEGIES.get(checkpoints) if isinstance(checkpoints, str) else None
-    doc = inspect.getdoc(strategy or type(checkpoints)) or ""
+    strategy = policies.STRATEGIES.get(checkpoints) if isinstance(checkpoints, str) else None
+    doc = inspect.getdoc(strategy.choose if strategy else type(checkpoints)) or ""
     return " ".join(doc.split("\n\n")[0].split())

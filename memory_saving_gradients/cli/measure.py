@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients import policies
 from memory_saving_gradients.cli import models
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
@@ -78,7 +79,7 @@ def methods(
     budget_methods = [msg.MemoryBudget(fraction) for fraction in budgets]
     chosen = [
         PLAIN,
-        *(Method(repr(name), name) for name in strategies),
+        *(Method(policies.STRATEGIES[name].label, name) for name in strategies),
         *(Method(repr(budget), budget) for budget in budget_methods),
         *(BASELINES[name] for name in baselines),
     ]

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
+from memory_saving_gradients import policies
 from memory_saving_gradients.cli.measure import PLAIN, Point
 
 #: Curves the plot fits to methods' peaks: plain's grows with depth, 'memory''s (nested
 #: recomputation on deep chains) with its logarithm.
-FITS = {PLAIN.name: ("depth", np.asarray), "'memory'": ("log(depth)", np.log)}
+FITS = {
+    PLAIN.name: ("depth", np.asarray),
+    policies.STRATEGIES["memory"].label: ("log(depth)", np.log),
+}
 #: One marker per method, so that methods measuring the same stay told apart.
 MARKERS = "osD^vPX*"
 _COLUMNS = (

@@ -1,20 +1,21 @@
-"""Checkpoint strategies: which forward tensors backprop keeps.
+"""Checkpoint policies: which forward tensors backprop keeps, as `checkpoints=` chooses.
 
-A strategy is any callable that takes a `ForwardView` (the read-only description of the
-forward graph between xs and ys: its ops in order, which may be recomputed, tensor sizes and
-op costs) and returns the tensors to keep, or a `Plan`. The built-in ones are written that way
-(`collection`, `speed`, `memory`, `MemoryBudget`), and a user's own works wherever they do,
-like a JAX checkpoint policy:
+`checkpoints` names a strategy, or is a `MemoryBudget`, a `Plan`, a list of tensors, or a
+strategy of one's own: any callable that takes a `ForwardView` (the read-only description of
+the forward graph between xs and ys: its ops in order, which may be recomputed, tensor sizes
+and op costs) and returns the tensors to keep, or a `Plan`, like a JAX checkpoint policy:
 
     def keep_attention_outputs(view):
         return [op.outputs[0] for op in view.ops if "attention_output" in op.name]
 
     msg.gradients(loss, variables, checkpoints=keep_attention_outputs)
 
-`select_checkpoints` turns any `checkpoints` argument into a Plan: it keeps the returned
-tensors that can serve (made by a recomputable op between xs and ys), logs the others with the
-reason, and raises a clear error when nothing usable is left. How the plans of 'memory',
-'balanced' and budgets are found is `search`'s business.
+The named ones (`STRATEGIES`): 'collection' keeps what `add_checkpoint` marked, 'speed' the
+outputs of matmuls and convolutions, 'memory' what gives the least predicted peak, 'balanced'
+most of that saving for less recomputation. `plan_for` turns any `checkpoints` argument into
+a Plan: it keeps the returned tensors that can serve (made by a recomputable op between xs and
+ys), logs the others with the reason, and raises a clear error when nothing usable is left.
+How the plans of 'memory', 'balanced' and budgets are found is `search`'s business.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs, footprint, search
-from memory_saving_gradients.inputs import CheckpointsArg, Strategy
-from memory_saving_gradients.plans import MIB, Plan
+from memory_saving_gradients.inputs import CheckpointsArg
+from memory_saving_gradients.plans import Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
 
@@ -41,6 +42,18 @@ EXPENSIVE_OP_TYPES = costs.CONTRACTIONS | {
     "Conv", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "SparseMatMul"
 }  # fmt: skip
 
+_COLLECTION_ADVICE = (
+    "add tensors with memory_saving_gradients.add_checkpoint(t), "
+    "or use checkpoints='memory' to choose them automatically"
+)
+_SPEED_ADVICE = (
+    "the forward pass has no matmul or convolution to keep; "
+    "use checkpoints='memory' or pass a list of tensors"
+)
+_LIST_ADVICE = "pass tensors computed from xs on the way to ys, or use checkpoints='memory'"
+#: What plans of a list of tensors are called.
+_LIST_LABEL = "the checkpoint list"
+
 
 class NoCheckpointsError(ValueError):
     """No usable checkpoint between xs and ys; the message says what to try instead."""
@@ -52,12 +65,13 @@ def add_checkpoint(tensor: tf.Tensor) -> tf.Tensor:
     return tensor
 
 
-def collection(view: ForwardView) -> list[tf.Tensor]:
+def collection(view: ForwardView, label: str) -> Plan:
     """The tensors added to the 'checkpoints' collection of the graph."""
-    return view.ys[0].graph.get_collection(CHECKPOINTS_COLLECTION)
+    tensors = view.ys[0].graph.get_collection(CHECKPOINTS_COLLECTION)
+    return _kept(view, tensors, label, _COLLECTION_ADVICE)
 
 
-def speed(view: ForwardView) -> Plan:
+def speed(view: ForwardView, label: str) -> Plan:
     """Outputs of matmuls and convolutions, and of function calls (nested `tf.function`s,
     control flow) that run one: only cheap ops are recomputed, each once.
 
@@ -82,11 +96,8 @@ def speed(view: ForwardView) -> Plan:
         ]
         kept = list({t.ref(): t for t in (*kept, *ends)}.values())
     if not kept:
-        raise NoCheckpointsError(
-            f"checkpoints='speed' gave no tensor between xs and ys that can be recomputed from: "
-            f"{_ADVICE[repr('speed')]}."
-        )
-    return Plan(view, [kept], "'speed'")
+        raise _nothing_kept(label, _SPEED_ADVICE)
+    return Plan(view, [kept], label)
 
 
 def _is_expensive(op: tf.Operation) -> bool:
@@ -95,7 +106,7 @@ def _is_expensive(op: tf.Operation) -> bool:
     )
 
 
-def memory(view: ForwardView) -> Plan:
+def memory(view: ForwardView, label: str) -> Plan:
     """The least predicted peak. One level of cuts recomputes each op once and holds about
     sqrt(2N) tensors on an N-layer chain; nested cuts (segments checkpointed in turn) hold
     fewer, down to O(log N), for about one more forward pass a level. Of the plans whose
@@ -104,7 +115,48 @@ def memory(view: ForwardView) -> Plan:
     When no cuts lower the peak (tiny graphs), none are kept and gradients are computed as
     `tf.gradients` does, which is logged.
     """
-    return search.least_peak(view, "'memory'")
+    return search.least_peak(view, label)
+
+
+def balanced(view: ForwardView, label: str) -> Plan:
+    """The plan recomputing least whose predicted peak is one level's least plus a third of
+    what that saves: most of the savings for less recomputation (the longest final part of
+    the forward pass that fits is not recomputed at all)."""
+    plain = footprint.plain_peak(view)
+    least = search.one_level_least_peak(view, plain)
+    return search.within_budget(view, least + (plain - least) / 3, plain, label)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class NamedStrategy:
+    """A built-in strategy, picked by its name: `checkpoints='memory'`. Called with a view,
+    it gives `choose`'s plan, which plans, logs and tables call by `label`."""
+
+    name: str
+    choose: Callable[[ForwardView, str], Plan]
+
+    @property
+    def label(self) -> str:
+        """The name as the argument is written, quotes included: 'memory'."""
+        return repr(self.name)
+
+    def __call__(self, view: ForwardView) -> Plan:
+        return self.choose(view, self.label)
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+#: The strategies `checkpoints` may name.
+STRATEGIES: dict[str, NamedStrategy] = {
+    strategy.name: strategy
+    for strategy in (
+        NamedStrategy("collection", collection),
+        NamedStrategy("speed", speed),
+        NamedStrategy("memory", memory),
+        NamedStrategy("balanced", balanced),
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -155,32 +207,7 @@ class MemoryBudget:
         return search.within_budget(view, budget, plain, repr(self), search.budget_headroom(view))
 
 
-def balanced(view: ForwardView) -> Plan:
-    """The plan recomputing least whose predicted peak is one level's least plus a third of
-    what that saves: most of the savings for less recomputation (the longest final part of
-    the forward pass that fits is not recomputed at all)."""
-    plain = footprint.plain_peak(view)
-    least = search.one_level_least_peak(view, plain)
-    return search.within_budget(view, least + (plain - least) / 3, plain, "'balanced'")
-
-
-STRATEGIES: dict[str, Strategy] = {
-    "collection": collection,
-    "speed": speed,
-    "memory": memory,
-    "balanced": balanced,
-}
-
-_ADVICE = {
-    "'collection'": "add tensors with memory_saving_gradients.add_checkpoint(t), "
-    "or use checkpoints='memory' to choose them automatically",
-    "'speed'": "the forward pass has no matmul or convolution to keep; "
-    "use checkpoints='memory' or pass a list of tensors",
-}
-_LIST_ADVICE = "pass tensors computed from xs on the way to ys, or use checkpoints='memory'"
-
-
-def select_checkpoints(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
+def plan_for(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
     """The plan for `view` from a strategy name or callable, a Plan, or a list of tensors or
     tensor names.
 
@@ -203,36 +230,33 @@ def select_checkpoints(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
                 f"Unknown checkpoint strategy {checkpoints!r}: use one of "
                 f"{sorted(STRATEGIES)}, a MemoryBudget, a callable or a list of tensors."
             )
-        name, result = repr(checkpoints), STRATEGIES[checkpoints](view)
-    elif callable(checkpoints):
-        name, result = _name_of(checkpoints), checkpoints(view)
-    else:
-        name, result = "the checkpoint list", _as_tensors(view, checkpoints)
+        return STRATEGIES[checkpoints](view)
+    if not callable(checkpoints):
+        return _kept(view, checkpoints, _LIST_LABEL, _LIST_ADVICE)
+    result = checkpoints(view)
     if isinstance(result, Plan):
         return result
-    usable = _usable(view, _as_tensors(view, result))
-    if not usable:
-        advice = _ADVICE.get(name, _LIST_ADVICE)
-        source = name if name == "the checkpoint list" else f"checkpoints={name}"
-        raise NoCheckpointsError(
-            f"{source} gave no tensor between xs and ys that can be recomputed from: {advice}."
-        )
-    return Plan(view, [usable], name)
+    return _kept(view, result, _label_of(checkpoints), _LIST_ADVICE)
 
 
-def log_plan(plan: Plan) -> None:
-    """Say what `plan` keeps and, where info logging is on, its predicted peaks."""
-    logger.info("Checkpointing with %s: %d tensors.", plan.strategy, len(plan.checkpoints))
-    logger.debug("Checkpoints: %s", [t.name for t in plan.checkpoints])
-    if logger.isEnabledFor(logging.INFO) and plan.checkpoints:
-        logger.info(
-            "%s: predicted activation peak %.1f MiB, %.1f MiB without checkpoints.",
-            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
-        )  # fmt: skip
-
-
-def _name_of(strategy: Callable) -> str:
+def _label_of(strategy: Callable) -> str:
     return getattr(strategy, "__name__", None) or repr(strategy)
+
+
+def _kept(view: ForwardView, entries, label: str, advice: str) -> Plan:
+    """The one-level plan keeping those of `entries` that can serve, called `label`; where
+    none can, NoCheckpointsError with `advice`."""
+    usable = _usable(view, _as_tensors(view, entries))
+    if not usable:
+        raise _nothing_kept(label, advice)
+    return Plan(view, [usable], label)
+
+
+def _nothing_kept(label: str, advice: str) -> NoCheckpointsError:
+    source = label if label == _LIST_LABEL else f"checkpoints={label}"
+    return NoCheckpointsError(
+        f"{source} gave no tensor between xs and ys that can be recomputed from: {advice}."
+    )
 
 
 def _as_tensors(view: ForwardView, entries) -> list[tf.Tensor]:
