@@ -17,17 +17,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, captures, inputs, rewrite
-from memory_saving_gradients.inputs import CheckpointsArg, Gradient, TensorLike
+from memory_saving_gradients.inputs import Gradient, TensorLike
 from memory_saving_gradients.plans import MIB, Plan
-from memory_saving_gradients.policies import MemoryBudget, NoCheckpointsError, plan_for
+from memory_saving_gradients.policies import MemoryBudget, NoCheckpointsError, Strategy, plan_for
 from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
 from memory_saving_gradients.view import ForwardView
 
 logger = logging.getLogger(__name__)
+
+#: What users pass as `checkpoints`: a strategy's name, a strategy (a `MemoryBudget`, one's
+#: own), a Plan, or tensors and tensor names.
+CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 
 @tf.autograph.experimental.do_not_convert

@@ -9,25 +9,17 @@ TensorFlow's own gradients are computed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.plans import Plan
-from memory_saving_gradients.view import ForwardView
 
 #: What users pass as ys and xs.
 TensorLike: TypeAlias = tf.Tensor | tf.Variable
 #: A gradient as `tf.gradients` returns it: dense, or the IndexedSlices of a gather.
 Gradient: TypeAlias = tf.Tensor | tf.IndexedSlices
-#: A checkpoint policy of one's own: given the forward graph, the tensors to keep or a Plan.
-Strategy: TypeAlias = Callable[[ForwardView], Sequence[tf.Tensor] | Plan]
-#: What users pass as `checkpoints`: a strategy's name, a strategy (a `MemoryBudget`, one's
-#: own), a Plan, or tensors and tensor names. It lives here with the other argument types,
-#: not in `api`: `policies` names it too, and `api` imports `policies`.
-CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 
 @dataclasses.dataclass(frozen=True)

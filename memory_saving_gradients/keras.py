@@ -26,7 +26,7 @@ from typing import TypeVar
 import keras
 import tensorflow as tf
 
-from memory_saving_gradients.inputs import CheckpointsArg
+from memory_saving_gradients.api import CheckpointsArg
 from memory_saving_gradients.tape import GradientTape
 
 logger = logging.getLogger(__name__)

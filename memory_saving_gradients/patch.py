@@ -19,8 +19,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.api import GradientOptions, compute_gradients
-from memory_saving_gradients.inputs import CheckpointsArg
+from memory_saving_gradients.api import CheckpointsArg, GradientOptions, compute_gradients
 
 logger = logging.getLogger(__name__)
 

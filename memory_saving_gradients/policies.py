@@ -23,16 +23,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs, footprint, search
-from memory_saving_gradients.inputs import CheckpointsArg
 from memory_saving_gradients.plans import Plan
 from memory_saving_gradients.schedule import recomputed_repeatedly
 from memory_saving_gradients.view import ForwardView
 
+if TYPE_CHECKING:  # the API's type, which names `Strategy`
+    from memory_saving_gradients.api import CheckpointsArg
+
 logger = logging.getLogger(__name__)
+
+#: A checkpoint policy of one's own: given the forward graph, the tensors to keep or a Plan.
+Strategy: TypeAlias = Callable[[ForwardView], Sequence[tf.Tensor] | Plan]
 
 #: Name of the graph collection read by the 'collection' strategy.
 CHECKPOINTS_COLLECTION = "checkpoints"

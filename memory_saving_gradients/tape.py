@@ -28,8 +28,8 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, graph
-from memory_saving_gradients.api import gradients, unconnected_filled
-from memory_saving_gradients.inputs import CheckpointsArg, graph_of
+from memory_saving_gradients.api import CheckpointsArg, gradients, unconnected_filled
+from memory_saving_gradients.inputs import graph_of
 
 logger = logging.getLogger(__name__)
 
