@@ -14,7 +14,7 @@ from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import planner
-from tests.models import Model
+from memory_saving_gradients.models.graphs import Model
 
 tf1 = tf.compat.v1
 ROOT = pathlib.Path(__file__).resolve().parent.parent

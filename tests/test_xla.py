@@ -17,8 +17,8 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import _tf
+from memory_saving_gradients.models import graphs as models
 from memory_saving_gradients.profiling import peak_memory
-from tests import models
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,

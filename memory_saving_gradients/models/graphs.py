@@ -1,4 +1,5 @@
-"""Small models for gradient-equality tests, each buildable in a Session graph and a tf.function.
+"""Small models of raw TensorFlow ops, each buildable in a Session graph and a tf.function: what
+the gradient-equality tests compare checkpointed gradients with `tf.gradients` on.
 
 Batches are large enough that activations, not weight gradients, make the predicted peak: on
 a model where they do not, 'balanced' rightly recomputes nothing.
@@ -16,25 +17,23 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from memory_saving_gradients.models import common
+
 Forward = Callable[[tf.Tensor], tuple[list[tf.Tensor], list[tf.Tensor]]]
 
 
 @dataclasses.dataclass
 class Model:
+    """A model's variables, its forward pass and an input batch to feed it."""
+
     variables: list[tf.Variable]
     forward: Forward
     x: np.ndarray
 
 
-def _weights(rng: np.random.RandomState, shape, name: str) -> tf.Variable:
-    fan_in = int(np.prod(shape[:-1]))
-    value = (rng.randn(*shape) / np.sqrt(fan_in)).astype(np.float32)
-    return tf.Variable(value, name=name)
-
-
 def tanh_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     rng = np.random.RandomState(0)
-    ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
+    ws = [common.fan_in_normal(rng, [width, width], f"w{i}") for i in range(depth)]
 
     def forward(x):
         h, kept = x, []
@@ -48,7 +47,7 @@ def tanh_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
 
 def residual_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     rng = np.random.RandomState(1)
-    ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
+    ws = [common.fan_in_normal(rng, [width, width], f"w{i}") for i in range(depth)]
 
     def forward(x):
         h, kept = x, []
@@ -62,10 +61,12 @@ def residual_chain(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
 
 def conv_batchnorm_relu(blocks: int = 3, channels: int = 4) -> Model:
     rng = np.random.RandomState(2)
-    kernels = [_weights(rng, [3, 3, channels, channels], f"k{i}") for i in range(blocks)]
+    kernels = [
+        common.fan_in_normal(rng, [3, 3, channels, channels], f"k{i}") for i in range(blocks)
+    ]
     scales = [tf.Variable(np.ones(channels, np.float32), name=f"s{i}") for i in range(blocks)]
     offsets = [tf.Variable(np.zeros(channels, np.float32), name=f"o{i}") for i in range(blocks)]
-    dense = _weights(rng, [4 * 4 * channels, 3], "dense")
+    dense = common.fan_in_normal(rng, [4 * 4 * channels, 3], "dense")
 
     def forward(x):
         h, kept = x, []
@@ -87,8 +88,8 @@ def conv_batchnorm_relu(blocks: int = 3, channels: int = 4) -> Model:
 def several_ys(depth: int = 5, width: int = 12, batch: int = 48) -> Model:
     """Two heads on one trunk; ys include an intermediate tensor of the trunk."""
     rng = np.random.RandomState(3)
-    ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
-    head = _weights(rng, [width, 2], "head")
+    ws = [common.fan_in_normal(rng, [width, width], f"w{i}") for i in range(depth)]
+    head = common.fan_in_normal(rng, [width, 2], "head")
 
     def forward(x):
         h, kept = x, []
@@ -104,7 +105,7 @@ def several_ys(depth: int = 5, width: int = 12, batch: int = 48) -> Model:
 def dropout_chain(depth: int = 6, width: int = 32, batch: int = 64) -> Model:
     """Dropout without a seed: recomputing its mask would change the gradient."""
     rng = np.random.RandomState(4)
-    ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
+    ws = [common.fan_in_normal(rng, [width, width], f"w{i}") for i in range(depth)]
 
     def forward(x):
         h, kept = x, []
@@ -120,7 +121,7 @@ def embedding_model(vocab: int = 50, dim: int = 8, depth: int = 4) -> Model:
     """An embedding lookup, whose table gradient tf.gradients gives as IndexedSlices."""
     rng = np.random.RandomState(5)
     table = tf.Variable(rng.randn(vocab, dim).astype(np.float32), name="table")
-    ws = [_weights(rng, [dim, dim], f"w{i}") for i in range(depth)]
+    ws = [common.fan_in_normal(rng, [dim, dim], f"w{i}") for i in range(depth)]
 
     def forward(ids):
         h, kept = tf.nn.embedding_lookup(table, ids), []
@@ -135,7 +136,7 @@ def embedding_model(vocab: int = 50, dim: int = 8, depth: int = 4) -> Model:
 def float16_region(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
     """A float32 model whose middle layers run in float16 between two casts."""
     rng = np.random.RandomState(6)
-    ws = [_weights(rng, [width, width], f"w{i}") for i in range(depth)]
+    ws = [common.fan_in_normal(rng, [width, width], f"w{i}") for i in range(depth)]
 
     def forward(x):
         h, kept = tf.tanh(tf.matmul(x, ws[0])), []
@@ -152,9 +153,9 @@ def float16_region(depth: int = 6, width: int = 16, batch: int = 64) -> Model:
 def while_loop_model(steps: int = 4, width: int = 16, batch: int = 64) -> Model:
     """A `tf.while_loop` (control flow v2) between ordinary layers."""
     rng = np.random.RandomState(7)
-    before = [_weights(rng, [width, width], f"before{i}") for i in range(3)]
-    w_loop = _weights(rng, [width, width], "loop")
-    after = [_weights(rng, [width, width], f"after{i}") for i in range(3)]
+    before = [common.fan_in_normal(rng, [width, width], f"before{i}") for i in range(3)]
+    w_loop = common.fan_in_normal(rng, [width, width], "loop")
+    after = [common.fan_in_normal(rng, [width, width], f"after{i}") for i in range(3)]
 
     def forward(x):
         h = x
