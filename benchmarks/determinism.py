@@ -33,19 +33,16 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.zoo, run as `python benchmarks/determinism.py`
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients.profiling import interleaved_step_times, peak_memory  # noqa: E402
-from tests import zoo  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients.models import zoo
+from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 tf.get_logger().setLevel("ERROR")  # retracing notices: every step here is traced once
 

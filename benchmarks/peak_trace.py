@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tests import zoo
+from memory_saving_gradients.models import zoo
 
 MiB = determinism.MiB
 

@@ -6,8 +6,8 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import tunables
+from memory_saving_gradients.models import zoo
 from memory_saving_gradients.profiling import peak_memory
-from tests import zoo
 from tests.helpers import assert_recomputes, assert_same_gradients, one_level
 
 tf1 = tf.compat.v1

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from tests import zoo
+from memory_saving_gradients.models import zoo
 from tests.helpers import assert_same_gradients, dense, recomputed_copies
 
 tf1 = tf.compat.v1

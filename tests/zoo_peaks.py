@@ -17,8 +17,8 @@ import keras
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.models import zoo
 from memory_saving_gradients.profiling import peak_memory
-from tests import zoo
 
 MIB = 2**20
 GROWN_MIB = 1024

@@ -1,5 +1,6 @@
-"""A zoo of real architectures at toy sizes, written the way users write them, for gradient
-parity tests of whole training losses (tests/test_zoo.py).
+"""A zoo of real Keras architectures, written the way users write them, at the sizes of a
+`Scale`: toy ones for gradient parity of whole training losses (tests/test_zoo.py), larger ones
+for memory tests and benchmarks (tests/test_zoo_memory.py, benchmarks/determinism.py).
 
 Each builder creates its variables eagerly and returns a `ZooModel`: `forward(*inputs)`, called
 inside a `tf.function`, builds the training-mode forward pass and returns the scalar loss and
@@ -14,8 +15,10 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import tensorflow as tf
+from keras import layers
 
-layers = keras.layers
+from memory_saving_gradients.models import common
+
 Forward = Callable[..., tuple[tf.Tensor, list[tf.Tensor]]]
 
 #: Classes of every classifier.
@@ -82,12 +85,11 @@ class ZooModel:
 
 
 def _images(seed: int, scale: Scale) -> np.ndarray:
-    shape = (scale.batch, scale.size, scale.size, 3)
-    return np.random.default_rng(seed).standard_normal(shape).astype("f4")
+    return common.images(seed, scale.batch, scale.size)
 
 
 def _labels(*shape: int) -> np.ndarray:
-    return (np.arange(int(np.prod(shape))) % CLASSES).reshape(shape).astype("i4")
+    return common.labels(int(np.prod(shape)), CLASSES).reshape(shape)
 
 
 def _classifier(model: keras.Model, x: np.ndarray, labels: np.ndarray, **kw) -> ZooModel:
@@ -394,9 +396,7 @@ def function_layers(scale: Scale = TOY, depth: int = 6) -> ZooModel:
         for w1, w2, b, gamma in zip(w1s, w2s, bs, gammas, strict=True):
             h = rms_norm(block(h, read(w1), read(w2), read(b)), read(gamma))
             taps.append(h)
-        logits = tf.cast(project(h, w_out), tf.float32)
-        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
-        return tf.reduce_mean(loss), taps
+        return common.cross_entropy(targets, project(h, w_out)), taps
 
     variables = [w_in, *w1s, *w2s, *bs, *gammas, w_out]
     x = rng.standard_normal((scale.rows, 12)).astype("f4")
