@@ -40,7 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.cli import models
+from memory_saving_gradients.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 
 tf1 = tf.compat.v1

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import costs
-from memory_saving_gradients.cli import models
+from memory_saving_gradients.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import run_python
 from tests.test_memory import SLACK_MB, chain

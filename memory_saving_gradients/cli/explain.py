@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import policies
-from memory_saving_gradients.cli import models
+from memory_saving_gradients.models import command as models
 
 
 def plans(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memory_saving_gradients.cli.models import Shape
+    from memory_saving_gradients.models.command import Shape
 
 STRATEGIES = ("speed", "memory", "balanced")
 BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
@@ -224,7 +224,8 @@ def _measure(args: argparse.Namespace, stem: str) -> int:
     shape, depths = _model_options(args, args.depths, "--depths")
     _check_writable(args.out)
     device = _start(args.device)
-    from memory_saving_gradients.cli import measure, models, report
+    from memory_saving_gradients.cli import measure, report
+    from memory_saving_gradients.models import command as models
 
     chosen = measure.methods(args.strategies, args.budgets, args.baselines)
     print(_setting(args.model, shape, device, models.kind_of(args.model).depth_counts))
@@ -263,7 +264,7 @@ def _model_options(
     Raises:
       _OptionError: the model does not exist, or does not take these sizes.
     """
-    from memory_saving_gradients.cli import models
+    from memory_saving_gradients.models import command as models
 
     if args.model not in models.KINDS and args.model not in models.application_names():
         raise _OptionError(

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import policies
-from memory_saving_gradients.cli import models
+from memory_saving_gradients.models import command as models
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MIB = 2**20

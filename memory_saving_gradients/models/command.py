@@ -23,6 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from memory_saving_gradients.models import common
+
 Block = Callable[[tf.Tensor], tf.Tensor]
 Wrap = Callable[[Block], Block]
 
@@ -86,10 +88,7 @@ def _chain(depth: int, shape: Shape) -> Model:
     """tanh(matmul) layers of `width` units, the workload of the original library's demo."""
     rng = np.random.default_rng(0)
     width = shape.width
-    weights = [
-        tf.Variable((rng.standard_normal((width, width)) / math.sqrt(width)).astype("f4"))
-        for _ in range(depth)
-    ]
+    weights = [common.fan_in_normal(rng, (width, width)) for _ in range(depth)]
     x = tf.constant(rng.standard_normal((shape.batch, width)).astype("f4"))
     compute = tf.float16 if shape.dtype == MIXED else tf.float32
 
@@ -174,7 +173,7 @@ def _unet(depth: int, shape: Shape) -> Model:
     head = layers.Conv2D(CLASSES, 1)
     pool = layers.MaxPooling2D(2)
     images = _images(shape)
-    labels = tf.constant(_labels(shape.batch * shape.size * shape.size))
+    labels = tf.constant(common.labels(shape.batch * shape.size * shape.size, CLASSES))
     labels = tf.reshape(labels, (shape.batch, shape.size, shape.size))
 
     def logits(x: tf.Tensor, wrap: Wrap) -> tf.Tensor:
@@ -191,7 +190,7 @@ def _unet(depth: int, shape: Shape) -> Model:
         return head(h)
 
     def loss(wrap: Wrap) -> tf.Tensor:
-        return _cross_entropy(labels, logits(images, wrap))
+        return common.cross_entropy(labels, logits(images, wrap))
 
     return Model(depth, _variables_read_by(lambda: logits(images[:1], unwrapped)), loss)
 
@@ -241,10 +240,10 @@ def application(name: str) -> Callable[[int, Shape], Model]:
             classifier_activation=None,
         )
         images = _images(shape)
-        labels = tf.constant(_labels(shape.batch))
+        labels = tf.constant(common.labels(shape.batch, CLASSES))
 
         def loss(_wrap: Wrap) -> tf.Tensor:
-            return _cross_entropy(labels, network(images, training=True))
+            return common.cross_entropy(labels, network(images, training=True))
 
         variables = _variables_read_by(lambda: network(images[:1], training=True))
         return Model(len(network.layers), variables, loss)
@@ -338,7 +337,7 @@ def _classifier(
     """A classifier: `features` (pooled over space where they are images) into logits by a
     Dense layer, trained with cross-entropy on fixed labels."""
     dense = keras.layers.Dense(CLASSES)
-    labels = tf.constant(_labels(inputs.shape[0]))
+    labels = tf.constant(common.labels(inputs.shape[0], CLASSES))
 
     def logits(x: tf.Tensor, wrap: Wrap) -> tf.Tensor:
         h = features(x, wrap)
@@ -347,7 +346,7 @@ def _classifier(
         return dense(h)
 
     def loss(wrap: Wrap) -> tf.Tensor:
-        return _cross_entropy(labels, logits(inputs, wrap))
+        return common.cross_entropy(labels, logits(inputs, wrap))
 
     return Model(depth, _variables_read_by(lambda: logits(inputs[:1], unwrapped)), loss)
 
@@ -361,14 +360,4 @@ def _variables_read_by(forward: Callable[[], object]) -> list[tf.Variable]:
 
 
 def _images(shape: Shape) -> tf.Tensor:
-    rng = np.random.default_rng(1)
-    return tf.constant(rng.standard_normal((shape.batch, shape.size, shape.size, 3)).astype("f4"))
-
-
-def _labels(count: int) -> np.ndarray:
-    return (np.arange(count) % CLASSES).astype("i4")
-
-
-def _cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    logits = tf.cast(logits, tf.float32)
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+    return tf.constant(common.images(1, shape.batch, shape.size))
