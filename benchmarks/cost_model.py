@@ -55,7 +55,7 @@ GROWN_MIB = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A model of `memory_saving_gradients.cli.models` at one depth and shape."""
+    """A model of `memory_saving_gradients.models.command` at one depth and shape."""
 
     model: str
     depth: int

@@ -1,4 +1,4 @@
-"""How far a step's peak memory can be counted on, on the model zoo (tests/zoo.py), and whether
+"""How far a step's peak memory can be counted on, on the model zoo (models/zoo.py), and whether
 'memory' needs the least of every strategy and budget.
 
 For each model, plain `tf.gradients`, 'speed', 'memory', 'balanced', `MemoryBudget(0.25)` and

@@ -1,7 +1,7 @@
 """What is alive at a step's memory peak, from TensorFlow's profiler: tells the executor's
 order apart from the allocator's rounding when peaks of the same step differ.
 
-For one zoo model (tests/zoo.py) and configuration, each of --steps profiled steps of the
+For one zoo model (models/zoo.py) and configuration, each of --steps profiled steps of the
 gradient tf.function of benchmarks/determinism.py reports:
 
 - the allocator's peak above resident memory (what `profiling.peak_memory` reads);

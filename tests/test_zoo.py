@@ -1,4 +1,4 @@
-"""Model zoo: on real architectures (tests/zoo.py), checkpointed gradients of a training loss
+"""Model zoo: on real architectures (models/zoo.py), checkpointed gradients of a training loss
 equal tf.gradients' to float32 round-off, under every strategy, with TensorFlow's graph
 optimizers (and oneDNN's fusions) on.
 
