@@ -44,39 +44,21 @@ Peaks count bytes above what is resident before the step: variables, constants, 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
 
 import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs
+from memory_saving_gradients.footprint.ledger import ORIGINAL, Buffer, Ledger
 from memory_saving_gradients.schedule import Schedule, Segment, Step
 from memory_saving_gradients.view import ForwardView
 
-#: The copy level of the tensors the forward pass computes.
-ORIGINAL = 0
-
-
-@dataclasses.dataclass(eq=False)
-class _Buffer:
-    size: int
-    holders: int = 1
-    #: A value graph optimizers compute ahead of the step (it takes no step memory).
-    constant: bool = False
-
-
-#: A buffer, or None where a tensor has none; `hold` returns what it was given.
-_MaybeBuffer = TypeVar("_MaybeBuffer", bound="_Buffer | None")
-
 
 class _Run:
-    """Buffers alive during one simulated step, and the largest total seen.
+    """The ops of one training step run on a `Ledger` of the buffers alive.
 
     Tensors and ops are known by their ids in the view's `Numbering` (ops by position); a
-    tensor's buffer also by its copy level: recomputed copies get levels of their own, and
-    look up what they read at their level first, then at the levels they were copied from
-    (`chain`, innermost first).
+    tensor's buffer also by its copy level (`Ledger`).
     """
 
     def __init__(self, view: ForwardView, updates_copy: bool = False) -> None:
@@ -92,16 +74,14 @@ class _Run:
         #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
         #: (few: ops of one kind share a use).
         self.gradient_steps: dict[tuple, tuple] = {}
-        self.alive = 0
-        self.peak = 0
+        #: The buffers alive, and the most bytes alive at once.
+        self.ledger = Ledger()
         #: Whether the kernels of one gradient run side by side (`costs.kernels_side_by_side`).
         self.side_by_side = costs.kernels_side_by_side()
         #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
         self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
-        #: The buffer of each tensor at each copy level, by level.
-        self.buffers: list[dict[int, _Buffer | None]] = [{}]
         #: Gradient parts received for each tensor, not summed yet.
-        self.parts: dict[int, list[_Buffer]] = {}
+        self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
         self.expected = list(self.ids.gradient_parts)
         #: Where gradients are applied as they complete: the readers not differentiated yet
@@ -111,37 +91,6 @@ class _Run:
             if view.gradients_held
             else {t: self.ids.readers[t] for t in self.tensor_ids(view.gradients_of_xs)}
         )
-
-    def new_level(self) -> int:
-        self.buffers.append({})
-        return len(self.buffers) - 1
-
-    def new(self, size: int) -> _Buffer:
-        self.alive += size
-        self.peak = max(self.peak, self.alive)
-        return _Buffer(size)
-
-    def working(self, size: int) -> None:
-        """A kernel's own buffers of `size` bytes, held only while it runs."""
-        self.peak = max(self.peak, self.alive + size)
-
-    def hold(self, buffer: _MaybeBuffer) -> _MaybeBuffer:
-        if buffer is not None:
-            buffer.holders += 1
-        return buffer
-
-    def release(self, buffer: _Buffer | None) -> None:
-        if buffer is not None:
-            buffer.holders -= 1
-            if buffer.holders == 0:
-                self.alive -= buffer.size
-
-    def buffer(self, tensor: int, chain: Sequence[int]) -> _Buffer | None:
-        for level in chain:
-            at_level = self.buffers[level]
-            if tensor in at_level:
-                return at_level[tensor]
-        return None
 
     def gate_copies(
         self, read: Iterable[int], ops: Sequence[int], chain: Sequence[int], inherited: frozenset
@@ -155,6 +104,7 @@ class _Run:
         what it inherits."""
         if not self.xla:
             return frozenset()
+        ledger = self.ledger
         read = set(read)
         copied = {
             t
@@ -163,12 +113,12 @@ class _Run:
             for t in self.ids.inputs[op]
             if t in read
         }
-        at_level = self.buffers[chain[0]]
+        at_level = ledger.levels[chain[0]]
         for t in sorted(copied):
-            original = self.buffer(t, chain)
-            at_level[t] = self.new(costs.tensor_bytes(self.ids.tensors[t]))
+            original = ledger.buffer(t, chain)
+            at_level[t] = ledger.new(costs.tensor_bytes(self.ids.tensors[t]))
             if t in inherited:
-                self.release(original)
+                ledger.release(original)
         return frozenset(copied)
 
     def positions(self, ops: Iterable[tf.Operation]) -> list[int]:
@@ -191,7 +141,8 @@ class _Run:
         last reader among `ops` has run, and then for as many later uses as `uses` gives
         it: each later use releases it once. Tensors `inherited` from the levels copied
         from are released the same way: the step gets their last hold."""
-        at_level = self.buffers[chain[0]]
+        ledger = self.ledger
+        at_level = ledger.levels[chain[0]]
         all_inputs, all_outputs = self.ids.inputs, self.ids.outputs
         ops = self._run_by_executor(ops, uses)
         made = {t for op in ops for t in all_outputs[op]}
@@ -204,7 +155,7 @@ class _Run:
         for op in ops:
             cost, inputs = self.cost[op], all_inputs[op]
             dying = [
-                self.buffer(t, chain)
+                ledger.buffer(t, chain)
                 for t in inputs
                 if t in owned and readers[t] == 1 and not uses.get(t)
             ]
@@ -213,29 +164,29 @@ class _Run:
                 if buffer is not None:
                     buffer.holders += uses.get(t, 0)
                 at_level[t] = buffer
-            self.working(cost.working)
+            ledger.working(cost.working)
             for t in inputs:
                 if t in owned:
                     readers[t] -= 1
                     if readers[t] == 0 and (t in made or not uses.get(t)):
-                        self.release(self.buffer(t, chain))
+                        ledger.release(ledger.buffer(t, chain))
             for t in all_outputs[op]:
                 if t not in readers:
-                    self.release(at_level[t])
+                    ledger.release(at_level[t])
 
-    def _output_buffer(self, op, index, cost, dying, chain) -> _Buffer | None:
+    def _output_buffer(self, op, index, cost, dying, chain) -> Buffer | None:
         size = cost.output_bytes[index]
         inputs = self.ids.inputs[op]
         if cost.aliases and inputs:
-            return self.hold(self.buffer(inputs[0], chain))
+            return self.ledger.hold(self.ledger.buffer(inputs[0], chain))
         if size == 0:
             return None
         if index == 0 and cost.reuses_input:
             for buffer in dying:
                 if buffer is not None and buffer.size == size and buffer.holders == 1:
                     dying.clear()  # one output takes over one buffer
-                    return self.hold(buffer)
-        return self.new(size)
+                    return self.ledger.hold(buffer)
+        return self.ledger.new(size)
 
     def differentiate(
         self,
@@ -251,7 +202,8 @@ class _Run:
         copy's other inputs are the step's to release. The gradient parts a tensor receives
         from `ops` are summed once the last of them has arrived (one gradient call sums its
         own parts), and all its parts once none is to come from anywhere."""
-        at_level, outer, recomputed = self.buffers[chain[0]], chain[1:], set(recomputed)
+        ledger = self.ledger
+        at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
         last_reader: dict[int, int] = {}
         for op in ops:
             for t in self.read[op]:
@@ -266,18 +218,18 @@ class _Run:
                     before.setdefault(t, len(self.parts.get(t, ())))
         for op in reversed(ops):
             copy = op in recomputed
-            read: dict[int, _Buffer | None] = {}
+            read: dict[int, Buffer | None] = {}
             done = []
             for t in self.read[op]:
                 here = copy and t in at_level
-                buffer = self.buffer(t, chain if here or not copy else outer)
+                buffer = ledger.buffer(t, chain if here or not copy else outer)
                 read[t] = buffer
                 released_here = here or not copy or t in inherited
                 if last_reader[t] == op and released_here and buffer is not None:
                     done.append(buffer)
             received = self._differentiate_op(op, read, done)
             for buffer in done:
-                self.release(buffer)
+                ledger.release(buffer)
             for t in received:
                 pending[t] -= 1
                 self.expected[t] -= 1
@@ -289,7 +241,7 @@ class _Run:
             self._apply_completed_gradients(op)
 
     def _differentiate_op(
-        self, op: int, read: dict[int, _Buffer | None], dying: list[_Buffer]
+        self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
     ) -> list[int]:
         """Make the gradients of `op`'s inputs from those of its outputs, running its gradient
         function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`); an
@@ -304,7 +256,7 @@ class _Run:
         wanted = [want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)]
         if cost.gradient is None:
             made = [
-                self.new(costs.tensor_bytes(self.ids.tensors[t])) if want else None
+                self.ledger.new(costs.tensor_bytes(self.ids.tensors[t])) if want else None
                 for t, want in zip(inputs, wanted, strict=True)
             ]
         else:
@@ -315,7 +267,7 @@ class _Run:
                 self.parts.setdefault(t, []).append(buffer)
                 received.append(t)
         for buffer in incoming:
-            self.release(buffer)
+            self.ledger.release(buffer)
         return received
 
     def _run_gradient(
@@ -323,21 +275,22 @@ class _Run:
         op: int,
         use: costs.GradientUse,
         wanted: Sequence[bool],
-        incoming: Sequence[_Buffer | None],
-        read: dict[int, _Buffer | None],
-        dying: list[_Buffer],
-    ) -> list[_Buffer | None]:
+        incoming: Sequence[Buffer | None],
+        read: dict[int, Buffer | None],
+        dying: list[Buffer],
+    ) -> list[Buffer | None]:
         """Run the steps of `use` that the `wanted` input gradients need; return a held
         buffer for each wanted input's gradient (None for the others). A step reading only
         constants (the folded seed of the ys, static shapes) is folded too."""
-        value: dict[int, _Buffer] = {}
+        ledger = self.ledger
+        value: dict[int, Buffer] = {}
         for seed, buffer in zip(use.seeds, incoming, strict=True):
             if seed is not None:  # an output without gradient gets zeros, folded
-                value[seed] = buffer if buffer is not None else _Buffer(0, constant=True)
+                value[seed] = buffer if buffer is not None else Buffer(0, constant=True)
         for placeholder, kind, index in use.captured:
             tensor = (self.ids.inputs if kind == "in" else self.ids.outputs)[op][index]
             # A resident tensor (a variable's value): never freed here, never written into.
-            value[placeholder] = read.get(tensor) or _Buffer(0, holders=2)
+            value[placeholder] = read.get(tensor) or Buffer(0, holders=2)
         key = (id(use), tuple(wanted))
         if key not in self.gradient_steps:
             self.gradient_steps[key] = _needed_steps(use, wanted)
@@ -346,7 +299,7 @@ class _Run:
         made: set[int] = set()
         dying_ids = {id(b) for b in dying}
         for step in steps:
-            reads = [value.get(t) or _Buffer(0, constant=True) for t in step.reads]
+            reads = [value.get(t) or Buffer(0, constant=True) for t in step.reads]
             folded = step.folded or all(b.constant for b in reads)
             free = [
                 b
@@ -358,35 +311,35 @@ class _Run:
             ]
             for t, size in zip(step.outputs, step.sizes, strict=True):
                 if folded:
-                    buffer = _Buffer(0, constant=True)
+                    buffer = Buffer(0, constant=True)
                 elif step.aliases:
-                    buffer = self.hold(reads[0])
+                    buffer = ledger.hold(reads[0])
                 elif step.reuses_input and (
                     taken := next((b for b in free if b.size == size), None)
                 ):
                     free.remove(taken)
-                    buffer = self.hold(taken)
+                    buffer = ledger.hold(taken)
                 else:
-                    buffer = self.new(size)
+                    buffer = ledger.new(size)
                 value[t] = buffer
                 made.add(t)
             if step.working and not folded:
-                self.working(working if self.side_by_side else step.working)
+                ledger.working(working if self.side_by_side else step.working)
             for t in step.outputs:
                 if t not in readers and t not in returned:
-                    self.release(value[t])
+                    ledger.release(value[t])
             for t in step.reads:
                 readers[t] -= 1
                 if readers[t] == 0 and t in made and t not in returned:
-                    self.release(value[t])
+                    ledger.release(value[t])
         gradients = [
-            self.hold(value.get(r) or _Buffer(0, constant=True))
+            ledger.hold(value.get(r) or Buffer(0, constant=True))
             if want and r is not None
             else None
             for r, want in zip(use.returned, wanted, strict=True)
         ]
         for t in returned & made:
-            self.release(value[t])
+            ledger.release(value[t])
         return gradients
 
     def _apply_completed_gradients(self, op: int) -> None:
@@ -397,13 +350,13 @@ class _Run:
         for t in dict.fromkeys(t for t in self.ids.inputs[op] if t in self.readers_left):
             self.readers_left[t] -= 1
             if not self.readers_left[t] and (summed := self._summed_gradient(t)):
-                if self.updates_copy:
-                    self.peak = max(self.peak, self.alive + summed.size)
-                self.release(summed)
+                if self.updates_copy:  # a temporary alive while the update runs
+                    self.ledger.working(summed.size)
+                self.ledger.release(summed)
                 if t in self.parts:
-                    self.release(self.parts.pop(t)[0])
+                    self.ledger.release(self.parts.pop(t)[0])
 
-    def _summed_gradient(self, tensor: int) -> _Buffer | None:
+    def _summed_gradient(self, tensor: int) -> Buffer | None:
         """The gradient of `tensor`, its parts summed, held for the caller. The parts of an x
         stay until its gradient is applied, if ever."""
         parts = self.parts.get(tensor, [])
@@ -411,20 +364,20 @@ class _Run:
             return None
         parts[:] = [self._sum(parts)]
         if tensor in self.ids.xs:
-            return self.hold(parts[0])
+            return self.ledger.hold(parts[0])
         return self.parts.pop(tensor)[0]
 
-    def _sum(self, parts: Sequence[_Buffer]) -> _Buffer:
+    def _sum(self, parts: Sequence[Buffer]) -> Buffer:
         """The sum of gradient `parts`, which it releases: written into one of them that
         nothing else holds (as TensorFlow's AddN forwards an input buffer), else new."""
         if len(parts) == 1:
             return parts[0]
         into = next((p for p in parts if p.holders == 1 and not p.constant), None)
         size = max(p.size for p in parts)
-        total = into or (self.new(size) if size else _Buffer(0, constant=True))
+        total = into or (self.ledger.new(size) if size else Buffer(0, constant=True))
         for part in parts:
             if part is not into:
-                self.release(part)
+                self.ledger.release(part)
         return total
 
     def _run_by_executor(self, ops: Sequence[int], uses: dict[int, int]) -> list[int]:
@@ -480,7 +433,7 @@ def plain_peak(view: ForwardView) -> int:
     run.forward(ops, (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))
     _seed(run, view)
     run.differentiate(ops, (ORIGINAL,))
-    return run.peak
+    return run.ledger.peak
 
 
 def checkpointed_peak(schedule: Schedule) -> int:
@@ -497,7 +450,7 @@ def checkpointed_peak(schedule: Schedule) -> int:
     _seed(run, view)
     run.differentiate(last, (ORIGINAL,))
     _steps(run, schedule.steps, (ORIGINAL,))
-    return run.peak
+    return run.ledger.peak
 
 
 def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
@@ -505,7 +458,7 @@ def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
     frontiers = [run.tensor_ids(step.segment.frontier) for step in steps]
     last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
     for j, (step, frontier) in enumerate(zip(steps, frontiers, strict=True)):
-        chain = (run.new_level(), *outer)
+        chain = (run.ledger.new_level(), *outer)
         inherited = frozenset(t for t in frontier if last_read[t] == j)
         segment = step.segment
         if step.inner is not None:
@@ -517,7 +470,7 @@ def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
             run.differentiate(_ops_of(run, segment), chain, recomputed, released)
         for t in frontier:
             if t not in inherited:
-                run.release(run.buffer(t, outer))
+                run.ledger.release(run.ledger.buffer(t, outer))
 
 
 def _nested_step(run, step: Step, inner: Schedule, chain, frontier, inherited) -> None:
@@ -535,7 +488,7 @@ def _nested_step(run, step: Step, inner: Schedule, chain, frontier, inherited) -
         # The inner steps release their boundaries from outside the segment too (or their
         # copies under XLA), which live on meanwhile: each needs a hold of its own.
         for t in run.tensor_ids(t for t in s.segment.frontier if t.op not in segment.ops):
-            run.hold(run.buffer(t, chain))
+            run.ledger.hold(run.ledger.buffer(t, chain))
     run.forward(recomputed, chain, uses, released)
     run.differentiate(last, chain, recomputed, released)
     _steps(run, steps, chain)
@@ -549,5 +502,9 @@ def _ops_of(run: _Run, segment: Segment) -> list[int]:
 def _seed(run: _Run, view: ForwardView) -> None:
     """The gradients of the ys: given ones, or ones graph optimizers fold into constants."""
     for y in view.ys:
-        seed = run.new(costs.tensor_bytes(y)) if view.given_grad_ys else _Buffer(0, constant=True)
+        seed = (
+            run.ledger.new(costs.tensor_bytes(y))
+            if view.given_grad_ys
+            else Buffer(0, constant=True)
+        )
         run.parts.setdefault(run.ids.ids[y.ref()], []).append(seed)
