@@ -1,4 +1,46 @@
-"""The memory a training step needs, simulated (`peaks`): the peaks plans predict."""
+"""The memory a training step needs, simulated: bytes alive as the executor runs it.
+
+A step is simulated op by op, forward in the view's topological order, then backward in
+reverse, the way TensorFlow's executor runs a backward pass the gates order. An op's outputs
+are allocated while its inputs are still alive; then every buffer no tensor needs any more is
+freed. Tensors share buffers where TensorFlow's kernels share them: reshapes and identities
+alias their input, element-wise kernels write into an input buffer nothing else needs
+(`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
+that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
+function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on
+unchanged (an Add's) aliases the arriving one, and a temporary lives until its last reader.
+The gradient parts of one tensor are summed once all have arrived (an AddN runs once its
+inputs exist). Gradients of xs live to the end of the step where the view says they are
+held (fetched, returned, or checked all together before an optimizer applies any); otherwise
+each is freed once the last op reading its x is differentiated, as an update in the same
+step consumes it: SGD computes its learning rate times gradient in the gradient's buffer,
+and, as checkpointed backprop passes a gradient on only once every op reading its variable
+has run (NOTE [updates after reads] in rewrite.py), updates the variable in place. Plain
+`tf.gradients` passes it on at once, so the update may run while the variable is still read,
+and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
+counted.
+What a gradient computes from constants alone (the seed of the loss, static shapes) is folded
+ahead of the step, as graph optimizers do. A kernel's own buffers (`costs.working_bytes`) are
+alive while it runs, beside its inputs and outputs; with more than one inter-op thread,
+those of one gradient's kernels together (the two products of a MatMul's gradient are ready
+at once, and the executor runs them side by side).
+
+With checkpoints, the forward pass keeps only the boundaries and what the last segment's
+gradients read; each step then recomputes its segments into new buffers (with nested
+checkpoints, keeping only those and recomputing the inner segments once more), differentiates
+them, and frees the boundaries no later step reads (`peaks`). Under XLA a step also copies
+what its matmuls and convolutions read through its gate (`Simulator.gate_copies`). A
+recomputed op whose outputs nothing reads is not run: the executor prunes it.
+
+What this leaves out, measured against TensorFlow (benchmarks/cost_model.py): the executor
+times ops to choose which of the ready ones wait, so it may run a gradient's ops that read
+only forward tensors before the gradient arrives, or leave a weight gradient queued, and hold
+their tensors meanwhile; and graph optimizers rewrite gradients (an attention's softmax
+gradient times its scale becomes a product with `softmax * scale`, computed as soon as the
+softmax is recomputed).
+
+Peaks count bytes above what is resident before the step: variables, constants, inputs.
+"""
 
 from memory_saving_gradients.footprint.peaks import checkpointed_peak, plain_peak
 

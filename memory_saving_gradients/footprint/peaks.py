@@ -1,426 +1,20 @@
-"""The memory a training step needs, simulated: bytes alive as the executor runs it.
-
-A step is simulated op by op, forward in the view's topological order, then backward in
-reverse, the way TensorFlow's executor runs a backward pass the gates order. An op's outputs
-are allocated while its inputs are still alive; then every buffer no tensor needs any more is
-freed. Tensors share buffers where TensorFlow's kernels share them: reshapes and identities
-alias their input, element-wise kernels write into an input buffer nothing else needs
-(`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
-that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
-function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on
-unchanged (an Add's) aliases the arriving one, and a temporary lives until its last reader.
-The gradient parts of one tensor are summed once all have arrived (an AddN runs once its
-inputs exist). Gradients of xs live to the end of the step where the view says they are
-held (fetched, returned, or checked all together before an optimizer applies any); otherwise
-each is freed once the last op reading its x is differentiated, as an update in the same
-step consumes it: SGD computes its learning rate times gradient in the gradient's buffer,
-and, as checkpointed backprop passes a gradient on only once every op reading its variable
-has run (NOTE [updates after reads] in rewrite.py), updates the variable in place. Plain
-`tf.gradients` passes it on at once, so the update may run while the variable is still read,
-and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
-counted.
-What a gradient computes from constants alone (the seed of the loss, static shapes) is folded
-ahead of the step, as graph optimizers do. A kernel's own buffers (`costs.working_bytes`) are
-alive while it runs, beside its inputs and outputs; with more than one inter-op thread,
-those of one gradient's kernels together (the two products of a MatMul's gradient are ready
-at once, and the executor runs them side by side).
-
-With checkpoints, the forward pass keeps only the boundaries and what the last segment's
-gradients read; each step then recomputes its segments into new buffers (with nested
-checkpoints, keeping only those and recomputing the inner segments once more), differentiates
-them, and frees the boundaries no later step reads. Under XLA a step also copies what its
-matmuls and convolutions read through its gate (`_Run.gate_copies`). A recomputed op whose
-outputs nothing reads is not run: the executor prunes it.
-
-What this leaves out, measured against TensorFlow (benchmarks/cost_model.py): the executor
-times ops to choose which of the ready ones wait, so it may run a gradient's ops that read
-only forward tensors before the gradient arrives, or leave a weight gradient queued, and hold
-their tensors meanwhile; and graph optimizers rewrite gradients (an attention's softmax
-gradient times its scale becomes a product with `softmax * scale`, computed as soon as the
-softmax is recomputed).
-
-Peaks count bytes above what is resident before the step: variables, constants, inputs.
+"""The peaks plans predict: of plain backprop, and of checkpointed backprop walking its
+schedule's tree of steps, each simulated on one `Simulator` (the model: the package's
+docstring).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import tensorflow as tf
-
-from memory_saving_gradients import _tf, costs
-from memory_saving_gradients.footprint.ledger import ORIGINAL, Buffer, Ledger
+from memory_saving_gradients.footprint.ledger import ORIGINAL
+from memory_saving_gradients.footprint.simulator import Simulator
 from memory_saving_gradients.schedule import Schedule, Segment, Step
 from memory_saving_gradients.view import ForwardView
 
 
-class _Run:
-    """The ops of one training step run on a `Ledger` of the buffers alive.
-
-    Tensors and ops are known by their ids in the view's `Numbering` (ops by position); a
-    tensor's buffer also by its copy level (`Ledger`).
-    """
-
-    def __init__(self, view: ForwardView, updates_copy: bool = False) -> None:
-        self.view = view
-        #: Whether an update copies its variable (plain `tf.gradients`: see the module's
-        #: docstring).
-        self.updates_copy = updates_copy
-        self.ids = view.numbering
-        #: The cost of each op, by position.
-        self.cost = [view.costs[op] for op in view.ops]
-        #: What each op's gradient reads, by position.
-        self.read = self.ids.gradient_reads
-        #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
-        #: (few: ops of one kind share a use).
-        self.gradient_steps: dict[tuple, tuple] = {}
-        #: The buffers alive, and the most bytes alive at once.
-        self.ledger = Ledger()
-        #: Whether the kernels of one gradient run side by side (`costs.kernels_side_by_side`).
-        self.side_by_side = costs.kernels_side_by_side()
-        #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
-        self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
-        #: Gradient parts received for each tensor, not summed yet.
-        self.parts: dict[int, list[Buffer]] = {}
-        #: Parts each tensor is still to receive: one from each op reading it.
-        self.expected = list(self.ids.gradient_parts)
-        #: Where gradients are applied as they complete: the readers not differentiated yet
-        #: of each tensor whose gradient is an x's.
-        self.readers_left: dict[int, int] = (
-            {}
-            if view.gradients_held
-            else {t: self.ids.readers[t] for t in self.tensor_ids(view.gradients_of_xs)}
-        )
-
-    def gate_copies(
-        self, read: Iterable[int], ops: Sequence[int], chain: Sequence[int], inherited: frozenset
-    ) -> frozenset[int]:
-        """Under XLA, the copies a step recomputing `ops` at level `chain[0]` makes of the
-        tensors it reads through its gate (`read`) that a contraction among `ops` reads
-        (`costs.CONTRACTIONS`; XLA fuses `x - 0` into element-wise readers, NOTE [gates under
-        XLA] in `gates.py`): weights and boundaries. Each lives at that level until
-        its last reader there; the step's last hold on an `inherited` original is given up
-        as it is copied. Returns the copied tensors, which the step releases as it does
-        what it inherits."""
-        if not self.xla:
-            return frozenset()
-        ledger = self.ledger
-        read = set(read)
-        copied = {
-            t
-            for op in ops
-            if self.view.ops[op].type in costs.CONTRACTIONS
-            for t in self.ids.inputs[op]
-            if t in read
-        }
-        at_level = ledger.levels[chain[0]]
-        for t in sorted(copied):
-            original = ledger.buffer(t, chain)
-            at_level[t] = ledger.new(costs.tensor_bytes(self.ids.tensors[t]))
-            if t in inherited:
-                ledger.release(original)
-        return frozenset(copied)
-
-    def positions(self, ops: Iterable[tf.Operation]) -> list[int]:
-        """The positions of those of `ops` that are the view's, in topological order."""
-        position = self.view.position
-        return sorted(position[op] for op in ops if op in position)
-
-    def tensor_ids(self, tensors: Iterable[tf.Tensor]) -> list[int]:
-        return [self.ids.ids[t.ref()] for t in tensors]
-
-    def forward(
-        self,
-        ops: Sequence[int],
-        chain: Sequence[int],
-        uses: dict[int, int],
-        inherited: frozenset[int] = frozenset(),
-    ) -> None:
-        """Run `ops` in order as copies at level `chain[0]`, those an executor runs: whose
-        outputs are used later (`uses`) or read by ops that run. An output lives until its
-        last reader among `ops` has run, and then for as many later uses as `uses` gives
-        it: each later use releases it once. Tensors `inherited` from the levels copied
-        from are released the same way: the step gets their last hold."""
-        ledger = self.ledger
-        at_level = ledger.levels[chain[0]]
-        all_inputs, all_outputs = self.ids.inputs, self.ids.outputs
-        ops = self._run_by_executor(ops, uses)
-        made = {t for op in ops for t in all_outputs[op]}
-        owned = made | inherited
-        readers: dict[int, int] = {}
-        for op in ops:
-            for t in all_inputs[op]:
-                if t in owned:
-                    readers[t] = readers.get(t, 0) + 1
-        for op in ops:
-            cost, inputs = self.cost[op], all_inputs[op]
-            dying = [
-                ledger.buffer(t, chain)
-                for t in inputs
-                if t in owned and readers[t] == 1 and not uses.get(t)
-            ]
-            for index, t in enumerate(all_outputs[op]):
-                buffer = self._output_buffer(op, index, cost, dying, chain)
-                if buffer is not None:
-                    buffer.holders += uses.get(t, 0)
-                at_level[t] = buffer
-            ledger.working(cost.working)
-            for t in inputs:
-                if t in owned:
-                    readers[t] -= 1
-                    if readers[t] == 0 and (t in made or not uses.get(t)):
-                        ledger.release(ledger.buffer(t, chain))
-            for t in all_outputs[op]:
-                if t not in readers:
-                    ledger.release(at_level[t])
-
-    def _output_buffer(self, op, index, cost, dying, chain) -> Buffer | None:
-        size = cost.output_bytes[index]
-        inputs = self.ids.inputs[op]
-        if cost.aliases and inputs:
-            return self.ledger.hold(self.ledger.buffer(inputs[0], chain))
-        if size == 0:
-            return None
-        if index == 0 and cost.reuses_input:
-            for buffer in dying:
-                if buffer is not None and buffer.size == size and buffer.holders == 1:
-                    dying.clear()  # one output takes over one buffer
-                    return self.ledger.hold(buffer)
-        return self.ledger.new(size)
-
-    def differentiate(
-        self,
-        ops: Sequence[int],
-        chain: Sequence[int],
-        recomputed: Iterable[int] = (),
-        inherited: frozenset[int] = frozenset(),
-    ) -> None:
-        """Differentiate `ops` from last to first: the copies at level `chain[0]` of those
-        `recomputed`, the ops of the levels copied from otherwise. What a gradient reads is
-        released after the last gradient reading it: a copy's own outputs and `inherited`
-        inputs, and what an op not recomputed here reads (held for that in `forward`); a
-        copy's other inputs are the step's to release. The gradient parts a tensor receives
-        from `ops` are summed once the last of them has arrived (one gradient call sums its
-        own parts), and all its parts once none is to come from anywhere."""
-        ledger = self.ledger
-        at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
-        last_reader: dict[int, int] = {}
-        for op in ops:
-            for t in self.read[op]:
-                last_reader.setdefault(t, op)
-        # The parts each tensor is to receive from `ops`, and how many it had before.
-        pending: dict[int, int] = {}
-        before: dict[int, int] = {}
-        for op in ops:
-            for t, needed in zip(self.ids.inputs[op], self.cost[op].needed, strict=True):
-                if needed:
-                    pending[t] = pending.get(t, 0) + 1
-                    before.setdefault(t, len(self.parts.get(t, ())))
-        for op in reversed(ops):
-            copy = op in recomputed
-            read: dict[int, Buffer | None] = {}
-            done = []
-            for t in self.read[op]:
-                here = copy and t in at_level
-                buffer = ledger.buffer(t, chain if here or not copy else outer)
-                read[t] = buffer
-                released_here = here or not copy or t in inherited
-                if last_reader[t] == op and released_here and buffer is not None:
-                    done.append(buffer)
-            received = self._differentiate_op(op, read, done)
-            for buffer in done:
-                ledger.release(buffer)
-            for t in received:
-                pending[t] -= 1
-                self.expected[t] -= 1
-                parts = self.parts[t]
-                if self.expected[t] <= 0:
-                    parts[:] = [self._sum(parts)]
-                elif pending[t] == 0 and len(parts) > before[t] + 1:
-                    parts[before[t] :] = [self._sum(parts[before[t] :])]
-            self._apply_completed_gradients(op)
-
-    def _differentiate_op(
-        self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
-    ) -> list[int]:
-        """Make the gradients of `op`'s inputs from those of its outputs, running its gradient
-        function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`); an
-        element-wise op may write into a buffer nothing else needs: a temporary it reads for
-        the last time, the arriving gradient, or one of `dying` (what backprop reads for the
-        last time here). Returns the inputs that received a gradient part."""
-        incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
-        if all(b is None for b in incoming):
-            return []
-        cost, inputs = self.cost[op], self.ids.inputs[op]
-        gets_gradient = self.ids.receives_gradient
-        wanted = [want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)]
-        if cost.gradient is None:
-            made = [
-                self.ledger.new(costs.tensor_bytes(self.ids.tensors[t])) if want else None
-                for t, want in zip(inputs, wanted, strict=True)
-            ]
-        else:
-            made = self._run_gradient(op, cost.gradient, wanted, incoming, read, dying)
-        received = []
-        for t, buffer in zip(inputs, made, strict=True):
-            if buffer is not None:
-                self.parts.setdefault(t, []).append(buffer)
-                received.append(t)
-        for buffer in incoming:
-            self.ledger.release(buffer)
-        return received
-
-    def _run_gradient(
-        self,
-        op: int,
-        use: costs.GradientUse,
-        wanted: Sequence[bool],
-        incoming: Sequence[Buffer | None],
-        read: dict[int, Buffer | None],
-        dying: list[Buffer],
-    ) -> list[Buffer | None]:
-        """Run the steps of `use` that the `wanted` input gradients need; return a held
-        buffer for each wanted input's gradient (None for the others). A step reading only
-        constants (the folded seed of the ys, static shapes) is folded too."""
-        ledger = self.ledger
-        value: dict[int, Buffer] = {}
-        for seed, buffer in zip(use.seeds, incoming, strict=True):
-            if seed is not None:  # an output without gradient gets zeros, folded
-                value[seed] = buffer if buffer is not None else Buffer(0, constant=True)
-        for placeholder, kind, index in use.captured:
-            tensor = (self.ids.inputs if kind == "in" else self.ids.outputs)[op][index]
-            # A resident tensor (a variable's value): never freed here, never written into.
-            value[placeholder] = read.get(tensor) or Buffer(0, holders=2)
-        key = (id(use), tuple(wanted))
-        if key not in self.gradient_steps:
-            self.gradient_steps[key] = _needed_steps(use, wanted)
-        steps, step_readers, returned, working = self.gradient_steps[key]
-        readers = dict(step_readers)
-        made: set[int] = set()
-        dying_ids = {id(b) for b in dying}
-        for step in steps:
-            reads = [value.get(t) or Buffer(0, constant=True) for t in step.reads]
-            folded = step.folded or all(b.constant for b in reads)
-            free = [
-                b
-                for t, b in zip(step.reads, reads, strict=True)
-                if readers[t] == 1
-                and b.holders == 1
-                and not b.constant
-                and (t in made or id(b) in dying_ids or b in incoming)
-            ]
-            for t, size in zip(step.outputs, step.sizes, strict=True):
-                if folded:
-                    buffer = Buffer(0, constant=True)
-                elif step.aliases:
-                    buffer = ledger.hold(reads[0])
-                elif step.reuses_input and (
-                    taken := next((b for b in free if b.size == size), None)
-                ):
-                    free.remove(taken)
-                    buffer = ledger.hold(taken)
-                else:
-                    buffer = ledger.new(size)
-                value[t] = buffer
-                made.add(t)
-            if step.working and not folded:
-                ledger.working(working if self.side_by_side else step.working)
-            for t in step.outputs:
-                if t not in readers and t not in returned:
-                    ledger.release(value[t])
-            for t in step.reads:
-                readers[t] -= 1
-                if readers[t] == 0 and t in made and t not in returned:
-                    ledger.release(value[t])
-        gradients = [
-            ledger.hold(value.get(r) or Buffer(0, constant=True))
-            if want and r is not None
-            else None
-            for r, want in zip(use.returned, wanted, strict=True)
-        ]
-        for t in returned & made:
-            ledger.release(value[t])
-        return gradients
-
-    def _apply_completed_gradients(self, op: int) -> None:
-        """Free the gradient of each x that `op` was the last reader of, once summed: an
-        update applies it (where gradients are not held to the end of the step), copying its
-        variable where `updates_copy`. A variable read passes its gradient on unchanged, with
-        no gate to wait for: its output's gradient is applied as soon as it is complete."""
-        for t in dict.fromkeys(t for t in self.ids.inputs[op] if t in self.readers_left):
-            self.readers_left[t] -= 1
-            if not self.readers_left[t] and (summed := self._summed_gradient(t)):
-                if self.updates_copy:  # a temporary alive while the update runs
-                    self.ledger.working(summed.size)
-                self.ledger.release(summed)
-                if t in self.parts:
-                    self.ledger.release(self.parts.pop(t)[0])
-
-    def _summed_gradient(self, tensor: int) -> Buffer | None:
-        """The gradient of `tensor`, its parts summed, held for the caller. The parts of an x
-        stay until its gradient is applied, if ever."""
-        parts = self.parts.get(tensor, [])
-        if not parts:
-            return None
-        parts[:] = [self._sum(parts)]
-        if tensor in self.ids.xs:
-            return self.ledger.hold(parts[0])
-        return self.parts.pop(tensor)[0]
-
-    def _sum(self, parts: Sequence[Buffer]) -> Buffer:
-        """The sum of gradient `parts`, which it releases: written into one of them that
-        nothing else holds (as TensorFlow's AddN forwards an input buffer), else new."""
-        if len(parts) == 1:
-            return parts[0]
-        into = next((p for p in parts if p.holders == 1 and not p.constant), None)
-        size = max(p.size for p in parts)
-        total = into or (self.ledger.new(size) if size else Buffer(0, constant=True))
-        for part in parts:
-            if part is not into:
-                self.ledger.release(part)
-        return total
-
-    def _run_by_executor(self, ops: Sequence[int], uses: dict[int, int]) -> list[int]:
-        """The ops of `ops` (in order) that an executor runs: those whose outputs are used
-        later (`uses`) or read by ops that run. The others' outputs nothing needs (a
-        recomputed concatenation whose gradient reads none of it), so the executor prunes
-        them. Gradients may read the shape of any tensor around their op, which graph
-        optimizers fold where it is static: a tensor whose static shape is not fully known
-        is taken to be needed."""
-        inputs, outputs, open_ = self.ids.inputs, self.ids.outputs, self.ids.open
-        wanted = {t for t, count in uses.items() if count}
-        if open_:
-            wanted.update(t for op in ops for t in (*inputs[op], *outputs[op]) if t in open_)
-        run = []
-        for op in reversed(ops):
-            if any(t in wanted for t in outputs[op]):
-                run.append(op)
-                wanted.update(inputs[op])
-        return run[::-1]
-
-    def uses(self, ops_differentiated: Iterable[int]) -> dict[int, int]:
-        """The tensors the gradients of `ops_differentiated` read, each counted once."""
-        return {t: 1 for op in ops_differentiated for t in self.read[op]}
-
-
-def _needed_steps(
-    use: costs.GradientUse, wanted: Sequence[bool]
-) -> tuple[list[costs.GradientStep], dict[int, int], frozenset[int], int]:
-    """The steps of `use` that the `wanted` input gradients need, how many of them read each
-    tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
-    needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
-    steps = [step for i, step in enumerate(use.steps) if i in needed]
-    readers: dict[int, int] = {}
-    for step in steps:
-        for t in step.reads:
-            readers[t] = readers.get(t, 0) + 1
-    returned = frozenset(
-        r for r, want in zip(use.returned, wanted, strict=True) if want and r is not None
-    )
-    return steps, readers, returned, sum(step.working for step in steps)
-
-
 def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
+    """`uses` with one more use of each of `more`."""
     for t in more:
         uses[t] = uses.get(t, 0) + 1
     return uses
@@ -428,10 +22,10 @@ def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
 
 def plain_peak(view: ForwardView) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read."""
-    run = _Run(view, updates_copy=True)
+    run = Simulator(view, updates_copy=True)
     ops = list(range(len(view.ops)))
     run.forward(ops, (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))
-    _seed(run, view)
+    run.seed()
     run.differentiate(ops, (ORIGINAL,))
     return run.ledger.peak
 
@@ -440,20 +34,20 @@ def checkpointed_peak(schedule: Schedule) -> int:
     """Simulated peak bytes of backprop with `schedule`: keeping its boundaries, and inside
     each step with an inner schedule, only that one's while the step recomputes."""
     view = schedule.view
-    run = _Run(view)
+    run = Simulator(view)
     last = _ops_of(run, schedule.last)
     uses = _add(run.uses(last), run.tensor_ids(view.ys))
     for step in schedule.steps:
         _add(uses, run.uses(run.positions(step.segment.originals)))
         _add(uses, run.tensor_ids(step.segment.frontier))
     run.forward(list(range(len(view.ops))), (ORIGINAL,), uses)
-    _seed(run, view)
+    run.seed()
     run.differentiate(last, (ORIGINAL,))
     _steps(run, schedule.steps, (ORIGINAL,))
     return run.ledger.peak
 
 
-def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
+def _steps(run: Simulator, steps: Sequence[Step], outer: tuple[int, ...]) -> None:
     """Simulate `steps`, whose boundaries live at the levels of `outer`."""
     frontiers = [run.tensor_ids(step.segment.frontier) for step in steps]
     last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
@@ -473,7 +67,14 @@ def _steps(run: _Run, steps: Sequence[Step], outer: tuple) -> None:
                 run.ledger.release(run.ledger.buffer(t, outer))
 
 
-def _nested_step(run, step: Step, inner: Schedule, chain, frontier, inherited) -> None:
+def _nested_step(
+    run: Simulator,
+    step: Step,
+    inner: Schedule,
+    chain: tuple[int, ...],
+    frontier: list[int],
+    inherited: frozenset[int],
+) -> None:
     """A step recomputing its segment (from its `frontier`) while keeping only the
     boundaries of its `inner` schedule: the inner schedule's last segment is differentiated
     as recomputed, its other segments are recomputed once more."""
@@ -494,17 +95,6 @@ def _nested_step(run, step: Step, inner: Schedule, chain, frontier, inherited) -
     _steps(run, steps, chain)
 
 
-def _ops_of(run: _Run, segment: Segment) -> list[int]:
+def _ops_of(run: Simulator, segment: Segment) -> list[int]:
     """The positions of the ops `segment` differentiates, in topological order."""
     return run.positions(segment.ops | segment.originals)
-
-
-def _seed(run: _Run, view: ForwardView) -> None:
-    """The gradients of the ys: given ones, or ones graph optimizers fold into constants."""
-    for y in view.ys:
-        seed = (
-            run.ledger.new(costs.tensor_bytes(y))
-            if view.given_grad_ys
-            else Buffer(0, constant=True)
-        )
-        run.parts.setdefault(run.ids.ids[y.ref()], []).append(seed)
