@@ -48,82 +48,6 @@ def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> s
 
 
 @dataclasses.dataclass(frozen=True)
-class Numbering:
-    """A view's tensors as integers, for what walks one view many times (the cost model
-    simulates every candidate plan): ints hash and compare faster than tensors' refs.
-
-    Attributes:
-      tensors: each tensor the view's ops read or make, and the xs and ys, by its id.
-      ids: the id of each of `tensors`, by `ref()`.
-      inputs, outputs: the ids of each op's inputs and outputs, by its position in `ops`.
-      xs: the ids of the xs.
-      receives_gradient: for each id, whether backprop makes a gradient for it: it is made
-        by an op of the view or is an x.
-      open: the ids of the tensors whose static shape is not fully known.
-      readers: for each id, how many ops of the view read it.
-      gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
-        position.
-      gradient_parts: for each id, how many ops' gradients make a part of its gradient.
-    """
-
-    tensors: tuple[tf.Tensor, ...]
-    ids: dict[object, int]
-    inputs: tuple[tuple[int, ...], ...]
-    outputs: tuple[tuple[int, ...], ...]
-    xs: frozenset[int]
-    receives_gradient: tuple[bool, ...]
-    open: frozenset[int]
-    readers: tuple[int, ...]
-    gradient_reads: tuple[tuple[int, ...], ...]
-    gradient_parts: tuple[int, ...]
-
-    @classmethod
-    def of(cls, view: ForwardView) -> Numbering:
-        ids: dict[object, int] = {}
-        tensors: list[tf.Tensor] = []
-
-        def number(tensor: tf.Tensor) -> int:
-            ref = tensor.ref()
-            if ref not in ids:
-                ids[ref] = len(tensors)
-                tensors.append(tensor)
-            return ids[ref]
-
-        xs = frozenset(number(x) for x in view.xs)
-        inputs, outputs = [], []
-        for op in view.ops:
-            inputs.append(tuple(number(t) for t in op.inputs))
-            outputs.append(tuple(number(t) for t in op.outputs))
-        for y in view.ys:
-            number(y)
-        made = {t for ts in outputs for t in ts}
-        receives_gradient = tuple(i in made or i in xs for i in range(len(tensors)))
-        readers, parts = [0] * len(tensors), [0] * len(tensors)
-        gradient_reads = []
-        for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
-            cost = view.costs[op]
-            for t in set(ins):
-                readers[t] += 1
-            for t, needed in zip(ins, cost.needed, strict=True):
-                if needed and receives_gradient[t]:
-                    parts[t] += 1
-            read = [ins[i] for i in cost.saved_inputs] + [outs[i] for i in cost.saved_outputs]
-            gradient_reads.append(tuple(dict.fromkeys(read)))
-        return cls(
-            tensors=tuple(tensors),
-            ids=ids,
-            inputs=tuple(inputs),
-            outputs=tuple(outputs),
-            xs=xs,
-            receives_gradient=receives_gradient,
-            open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
-            readers=tuple(readers),
-            gradient_reads=tuple(gradient_reads),
-            gradient_parts=tuple(parts),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class ForwardView:
     """The ops between xs and ys, which of them may be recomputed, and what must be kept.
 
@@ -216,11 +140,6 @@ class ForwardView:
             return tensor.op in self.position or tensor.ref() in xs
 
         return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
-
-    @cached_property
-    def numbering(self) -> Numbering:
-        """The view's tensors and what its ops read and make, as integers."""
-        return Numbering.of(self)
 
     @cached_property
     def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf, costs
 from memory_saving_gradients.footprint.ledger import Buffer, Ledger
+from memory_saving_gradients.footprint.numbering import Numbering
 from memory_saving_gradients.view import ForwardView
 
 
@@ -27,7 +28,7 @@ class Simulator:
         #: Whether an update copies its variable (plain `tf.gradients`: see the package's
         #: docstring).
         self.updates_copy = updates_copy
-        self.ids = view.numbering
+        self.ids = Numbering.of(view)
         #: The cost of each op, by position.
         self.cost = [view.costs[op] for op in view.ops]
         #: What each op's gradient reads, by position.
