@@ -18,25 +18,27 @@ from typing import TYPE_CHECKING
 #: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
 #: the first use of a name does, so a command can quiet TensorFlow before it starts.
 _PUBLIC = {
-    "CHECKPOINTS_COLLECTION": "policies",
-    "ForwardView": "view",
-    "GradientTape": "tape",
-    "MemoryBudget": "policies",
-    "NoCheckpointsError": "policies",
-    "Plan": "plans",
-    "add_checkpoint": "policies",
+    "CHECKPOINTS_COLLECTION": "planning.policies",
+    "ForwardView": "analysis.view",
+    "GradientTape": "integrations.tape",
+    "MemoryBudget": "planning.policies",
+    "NoCheckpointsError": "planning.policies",
+    "Plan": "planning.plans",
+    "add_checkpoint": "planning.policies",
     "gradients": "api",
     "gradients_collection": "api",
     "gradients_memory": "api",
     "gradients_speed": "api",
-    "patch": "patch",
-    "patched": "patch",
+    "patch": "integrations.patching",
+    "patched": "integrations.patching",
     "plan": "api",
-    "unpatch": "patch",
+    "unpatch": "integrations.patching",
 }
+#: Public modules, by the name the package gives them.
+_MODULES = {"keras": "integrations.keras"}
 
 if TYPE_CHECKING:
-    from memory_saving_gradients import keras
+    from memory_saving_gradients.analysis.view import ForwardView
     from memory_saving_gradients.api import (
         gradients,
         gradients_collection,
@@ -44,32 +46,32 @@ if TYPE_CHECKING:
         gradients_speed,
         plan,
     )
-    from memory_saving_gradients.patch import patch, patched, unpatch
-    from memory_saving_gradients.plans import Plan
-    from memory_saving_gradients.policies import (
+    from memory_saving_gradients.integrations import keras
+    from memory_saving_gradients.integrations.patching import patch, patched, unpatch
+    from memory_saving_gradients.integrations.tape import GradientTape
+    from memory_saving_gradients.planning.plans import Plan
+    from memory_saving_gradients.planning.policies import (
         CHECKPOINTS_COLLECTION,
         MemoryBudget,
         NoCheckpointsError,
         add_checkpoint,
     )
-    from memory_saving_gradients.tape import GradientTape
-    from memory_saving_gradients.view import ForwardView
 
 
 def __getattr__(name: str):
-    if name == "keras":
-        return importlib.import_module("memory_saving_gradients.keras")
-    if name not in _PUBLIC:
+    if name in _MODULES:
+        value = importlib.import_module(f"memory_saving_gradients.{_MODULES[name]}")
+    elif name in _PUBLIC:
+        module = importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}")
+        value = getattr(module, name)
+    else:
         raise AttributeError(f"module 'memory_saving_gradients' has no attribute {name!r}")
-    module = importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}")
-    # Every public name of that module at once: importing `patch.py` sets this package's
-    # `patch` to the module, which the function of that name must replace.
-    globals().update({n: getattr(module, n) for n, m in _PUBLIC.items() if m == _PUBLIC[name]})
-    return globals()[name]
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC, "keras"])
+    return sorted([*globals(), *_PUBLIC, *_MODULES])
 
 
 __version__ = "0.1.0"

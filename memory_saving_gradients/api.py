@@ -21,12 +21,19 @@ from typing import TypeAlias
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, captures, inputs, rewrite
-from memory_saving_gradients.inputs import Gradient, TensorLike
-from memory_saving_gradients.plans import MIB, Plan
-from memory_saving_gradients.policies import MemoryBudget, NoCheckpointsError, Strategy, plan_for
-from memory_saving_gradients.rewrite import GradientOptions, plain_gradients
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import arguments
+from memory_saving_gradients.analysis.arguments import Gradient, TensorLike
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.plans import MIB, Plan
+from memory_saving_gradients.planning.policies import (
+    MemoryBudget,
+    NoCheckpointsError,
+    Strategy,
+    plan_for,
+)
+from memory_saving_gradients.rewriting import backprop, enclosing
+from memory_saving_gradients.rewriting.backprop import GradientOptions, plain_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +119,8 @@ def compute_gradients(
     aside, which are checked here). Where the strategy finds no
     checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
     patched TensorFlow computes them for code the user did not write."""
-    inputs.check_graph_mode()
-    args = inputs.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
+    arguments.check_graph_mode()
+    args = arguments.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
         gradient_options = dataclasses.replace(options, stop_gradients=args.stop_gradients)
         if args.only_tensorflow:
@@ -121,7 +128,7 @@ def compute_gradients(
             return plain_gradients(
                 args.ys, args.xs, args.grad_ys, gradient_options, args.unconnected_gradients
             )
-        body, outside = captures.split(args)
+        body, outside = enclosing.split(args)
         unique_xs = body.unique_xs
         flowing = body.without_constant_ys()
         grads = [None] * len(unique_xs)
@@ -135,7 +142,7 @@ def compute_gradients(
 
 
 def _checkpointed(
-    args: inputs.Arguments,
+    args: arguments.Arguments,
     unique_xs,
     checkpoints,
     options: GradientOptions,
@@ -155,7 +162,7 @@ def _checkpointed(
         _log_plain(plan, checkpoints)
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     _log_plan(plan)
-    return rewrite.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)
+    return backprop.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -177,14 +184,14 @@ def plan(
         TensorFlow's own gradients apply (composite values, values captured across
         function boundaries).
     """
-    inputs.check_graph_mode()
-    args = inputs.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
+    arguments.check_graph_mode()
+    args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
     if args.only_tensorflow:
         raise ValueError(
             f"No plan: only TensorFlow's own gradients apply here ({args.only_tensorflow})."
         )
     with args.graph.as_default():
-        body, _ = captures.split(args)
+        body, _ = enclosing.split(args)
         flowing = body.without_constant_ys()
         view = ForwardView.build(
             flowing.ys, body.unique_xs, flowing.grad_ys is not None, gradients_held

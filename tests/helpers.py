@@ -13,8 +13,8 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import planner
 from memory_saving_gradients.models.graphs import Model
+from memory_saving_gradients.planning import cut_search
 
 tf1 = tf.compat.v1
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -129,9 +129,9 @@ def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
 def one_level(view: msg.ForwardView) -> msg.Plan:
     """A policy keeping the one-level cuts with the least predicted peak: 'memory''s plan
     where nesting lowers the peak too little to pay for another forward pass."""
-    order = planner.Order.of(view, view.costs)
-    cuts, _ = planner.smallest_peak(order)
-    return msg.Plan(view, planner.checkpoints_of(order, cuts), "one level")
+    order = cut_search.Order.of(view, view.costs)
+    cuts, _ = cut_search.smallest_peak(order)
+    return msg.Plan(view, cut_search.checkpoints_of(order, cuts), "one level")
 
 
 def recomputed_copies(graph: tf.Graph) -> list[tf.Operation]:

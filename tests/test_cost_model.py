@@ -27,7 +27,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import costs
+from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import run_python

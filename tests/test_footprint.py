@@ -5,8 +5,8 @@ import weakref
 
 import tensorflow as tf
 
-from memory_saving_gradients.footprint.numbering import Numbering
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.simulation.numbering import Numbering
 
 
 def test_a_views_numbering_is_made_once_and_forgotten_with_the_view():

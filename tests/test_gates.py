@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import gates
+from memory_saving_gradients.rewriting import gates
 
 tf1 = tf.compat.v1
 

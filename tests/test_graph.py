@@ -3,8 +3,8 @@
 import pytest
 import tensorflow as tf
 
-from memory_saving_gradients import costs, graph
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis.view import ForwardView
 
 tf1 = tf.compat.v1
 
@@ -28,37 +28,37 @@ def names(ops):
 def test_backward_ops_follow_data_inputs_only():
     with tf.Graph().as_default():
         t = diamond()
-        assert names(graph.backward_ops([t["d"].op])) == ["a", "b", "c", "d", "x"]
+        assert names(queries.backward_ops([t["d"].op])) == ["a", "b", "c", "d", "x"]
 
 
 def test_backward_ops_within_and_stop_at():
     with tf.Graph().as_default():
         t = diamond()
         within = {t[name].op for name in "abcd"}
-        assert names(graph.backward_ops([t["d"].op], within=within)) == ["a", "b", "c", "d"]
-        stopped = graph.backward_ops([t["d"].op], stop_at=lambda x: x.ref() == t["b"].ref())
+        assert names(queries.backward_ops([t["d"].op], within=within)) == ["a", "b", "c", "d"]
+        stopped = queries.backward_ops([t["d"].op], stop_at=lambda x: x.ref() == t["b"].ref())
         assert names(stopped) == ["a", "c", "d", "x"]
 
 
 def test_forward_ops_start_at_the_readers_of_the_seeds():
     with tf.Graph().as_default():
         t = diamond()
-        assert names(graph.forward_ops([t["a"]])) == ["b", "c", "d"]
+        assert names(queries.forward_ops([t["a"]])) == ["b", "c", "d"]
         within = {t[name].op for name in "abd"}
-        assert names(graph.forward_ops([t["x"]], within=within)) == ["a", "b", "d"]
+        assert names(queries.forward_ops([t["x"]], within=within)) == ["a", "b", "d"]
 
 
 def test_topological_order_respects_inputs_then_creation_order():
     with tf.Graph().as_default():
         t = diamond()
         ops = [t[name].op for name in "dceba"]
-        assert [op.name for op in graph.topological_order(ops)] == ["a", "b", "c", "e", "d"]
+        assert [op.name for op in queries.topological_order(ops)] == ["a", "b", "c", "e", "d"]
         # An input rerouted to a younger op must still come first.
         late = tf.identity(t["x"], name="late")
         t["a"].op._update_input(0, late)
-        order = graph.topological_order([t["a"].op, late.op, t["b"].op])
+        order = queries.topological_order([t["a"].op, late.op, t["b"].op])
         assert [op.name for op in order] == ["late", "a", "b"]
-        assert graph.topological_order([]) == []
+        assert queries.topological_order([]) == []
 
 
 def test_sizes_count_unknown_dimensions_as_64():
@@ -80,10 +80,10 @@ def test_static_shapes_read_alike_with_v1_dimensions(v2_shapes):
         with tf.Graph().as_default():
             x = tf1.placeholder(tf.float32, [None, 3])
             assert isinstance(x.shape[1], int) == v2_shapes
-            shape = graph.static_shape(x)
+            shape = queries.static_shape(x)
             assert shape == (None, 3) and all(d is None or type(d) is int for d in shape)
             hash(shape)
-            assert graph.static_shape(tf1.placeholder(tf.float32)) is None
+            assert queries.static_shape(tf1.placeholder(tf.float32)) is None
             assert costs.tensor_bytes(x) == 4 * 3 * costs.UNKNOWN_DIM_SIZE
             assert costs.gradient_use(tf.tanh(x).op).reads == ((frozenset(), frozenset({0})),)
     finally:

@@ -279,8 +279,8 @@ def test_independent_branches_are_recomputed_one_after_the_other():
 
 
 def test_weight_gradients_run_before_the_data_gradients_beside_them():
-    """NOTE [weight gradients first] in rewrite.py: a recomputed convolution's filter gradient
-    frees its input activation before the input gradient allocates its own."""
+    """NOTE [weight gradients first] in rewriting/backprop.py: a recomputed convolution's
+    filter gradient frees its input activation before the input gradient allocates its own."""
     with tf.Graph().as_default() as graph:
         x = tf.Variable(tf.ones([2, 8, 8, 4]), trainable=False).read_value()
         kernels = [tf.Variable(tf.ones([3, 3, 4, 4]) * 0.1) for _ in range(4)]

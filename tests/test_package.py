@@ -1,5 +1,6 @@
 """The package's own surface: importing it is cheap, and every public name is what it says."""
 
+import ast
 import subprocess
 import sys
 
@@ -21,14 +22,60 @@ def test_importing_the_package_loads_no_tensorflow():
     assert result.stdout.strip() == "False"
 
 
-def test_public_names_are_functions_whatever_is_used_first():
-    """`patch` is also a module's name: using `patched` first must not leave the module."""
+def test_public_names_are_what_they_say_whatever_is_used_first():
     result = run_python(
         "import memory_saving_gradients as msg\n"
         "msg.patched\n"
         "assert callable(msg.patch) and callable(msg.unpatch), msg.patch\n"
+        "assert callable(msg.keras.enable), msg.keras\n"
     )
     assert result.returncode == 0, result.stderr
+
+
+#: The package's layers, and what each may import of it (`_tf` is the only module
+#: touching TensorFlow's private APIs; `api` and `cli` sit on top).
+MAY_IMPORT = {
+    "analysis": {"_tf"},
+    "planning": {"_tf", "analysis"},
+    "rewriting": {"_tf", "analysis", "planning"},
+    "api": {"_tf", "analysis", "planning", "rewriting"},
+    "integrations": {"_tf", "analysis", "api"},
+    "models": set(),
+    "profiling": set(),
+    "_tf": set(),
+}
+
+
+def _package_imports(path) -> set[str]:
+    """The package's first-level modules `path` imports at run time (not for type checking)."""
+    tree = ast.parse(path.read_text())
+    checking_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and ast.unparse(branch.test) == "TYPE_CHECKING"
+        for node in ast.walk(branch)
+    }
+    imported = set()
+    for node in ast.walk(tree):
+        if id(node) in checking_only or not isinstance(node, ast.ImportFrom):
+            continue
+        parts = (node.module or "").split(".")
+        if parts[0] != "memory_saving_gradients":
+            continue
+        if len(parts) > 1:
+            imported.add(parts[1])
+        else:
+            imported.update(alias.name for alias in node.names)
+    return imported
+
+
+@pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    package = ROOT / "memory_saving_gradients"
+    paths = sorted((package / layer).rglob("*.py")) or [package / f"{layer}.py"]
+    for path in paths:
+        wrong = _package_imports(path) - MAY_IMPORT[layer] - {layer}
+        assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}"
 
 
 def test_every_public_name_resolves():

@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import planner
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import cut_search
 from tests.helpers import assert_same_gradients
 
 tf1 = tf.compat.v1
@@ -48,7 +48,7 @@ def random_costs(seed):
 @pytest.mark.parametrize("seed", range(40))
 def test_cuts_within_a_peak_match_brute_force(seed):
     held, gradients, cut_bytes, peak, feasible = random_costs(seed)
-    cuts = planner._cuts_within(held, gradients, cut_bytes, peak)
+    cuts = cut_search._cuts_within(held, gradients, cut_bytes, peak)
     if not feasible:
         assert cuts is None
         return
@@ -59,7 +59,7 @@ def test_cuts_within_a_peak_match_brute_force(seed):
 @pytest.mark.parametrize("seed", range(40))
 def test_cuts_with_the_longest_last_segment_match_brute_force(seed):
     held, gradients, cut_bytes, peak, feasible = random_costs(seed)
-    cuts = planner._cuts_within(held, gradients, cut_bytes, peak, longest_last_segment=True)
+    cuts = cut_search._cuts_within(held, gradients, cut_bytes, peak, longest_last_segment=True)
     if not feasible:
         assert cuts is None
         return
@@ -94,7 +94,7 @@ def residual_view(n, width=100):
 
 
 def order_of(view):
-    return planner.Order.of(view, view.costs)
+    return cut_search.Order.of(view, view.costs)
 
 
 def positions(tensors):
@@ -105,25 +105,25 @@ def positions(tensors):
 def test_chain_plan_keeps_about_sqrt_2n_in_shrinking_segments(n):
     with tf.Graph().as_default():
         order = order_of(chain_view(n))
-        cuts, peak = planner.smallest_peak(order)
-        (checkpoints,) = planner.checkpoints_of(order, cuts)
+        cuts, peak = cut_search.smallest_peak(order)
+        (checkpoints,) = cut_search.checkpoints_of(order, cuts)
     assert abs(len(checkpoints) - math.sqrt(2 * n)) <= 2
     gaps = np.diff(positions(checkpoints))
     assert all(gaps[:-1] >= gaps[1:]), positions(checkpoints)
     assert peak < 2 * math.sqrt(n) / n * order.held.sum()
-    assert planner.model_peak(order, cuts) == pytest.approx(peak, rel=1e-6)
+    assert cut_search.model_peak(order, cuts) == pytest.approx(peak, rel=1e-6)
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
 def test_cuts_within_a_peak_fit_and_start_their_last_segment_earlier(fraction):
     with tf.Graph().as_default():
         order = order_of(chain_view(64))
-        smallest, _ = planner.smallest_peak(order)
-        cuts = planner.within(order, fraction * order.held.sum())
+        smallest, _ = cut_search.smallest_peak(order)
+        cuts = cut_search.within(order, fraction * order.held.sum())
     assert cuts.levels == 1
-    assert planner.model_peak(order, cuts) <= fraction * order.held.sum()
+    assert cut_search.model_peak(order, cuts) <= fraction * order.held.sum()
     assert cuts.positions[-1] < smallest.positions[-1]
-    assert planner.recompute_flops(order, cuts) < planner.recompute_flops(order, smallest)
+    assert cut_search.recompute_flops(order, cuts) < cut_search.recompute_flops(order, smallest)
 
 
 @pytest.mark.parametrize("n", [64, 256])
@@ -132,14 +132,14 @@ def test_peaks_below_one_level_nest(n):
     each level costing about one more forward pass."""
     with tf.Graph().as_default():
         order = order_of(chain_view(n))
-        _, smallest = planner.smallest_peak(order)
+        _, smallest = cut_search.smallest_peak(order)
         target = 0.7 * smallest
-        cuts = planner.within(order, target)
-        levels = planner.checkpoints_of(order, cuts)
+        cuts = cut_search.within(order, target)
+        levels = cut_search.checkpoints_of(order, cuts)
     assert cuts is not None and cuts.levels >= 2
-    assert planner.model_peak(order, cuts) <= target
+    assert cut_search.model_peak(order, cuts) <= target
     forward = order.flops.sum()
-    assert forward < planner.recompute_flops(order, cuts) <= (cuts.levels + 0.5) * forward
+    assert forward < cut_search.recompute_flops(order, cuts) <= (cuts.levels + 0.5) * forward
     assert len(levels) == cuts.levels and all(levels)
 
 
@@ -148,15 +148,15 @@ def test_nesting_reaches_about_log_n_activations():
     with tf.Graph().as_default():
         order = order_of(chain_view(n))
     activation = order.held.max()
-    _, smallest = planner.smallest_peak(order)
+    _, smallest = cut_search.smallest_peak(order)
     assert smallest > 30 * activation  # about sqrt(2n) = 32
-    assert planner.within(order, 2 * math.log2(n) * activation) is not None
+    assert cut_search.within(order, 2 * math.log2(n) * activation) is not None
 
 
 def test_a_peak_below_any_nesting_is_refused():
     with tf.Graph().as_default():
         order = order_of(chain_view(64))
-    assert planner.within(order, 0.5 * order.held.max()) is None
+    assert cut_search.within(order, 0.5 * order.held.max()) is None
 
 
 def test_search_reuses_what_it_found_without_changing_answers():
@@ -166,10 +166,10 @@ def test_search_reuses_what_it_found_without_changing_answers():
     with tf.Graph().as_default():
         view = residual_view(48)
         shared = order_of(view)
-        _, smallest = planner.smallest_peak(shared)
+        _, smallest = cut_search.smallest_peak(shared)
         peaks = [smallest * f for f in (0.9, 0.5, 0.7, 0.4, 0.6, 0.45, 0.9, 0.3, 1.2)]
-        answers = [planner.within(shared, peak) for peak in peaks]
-        fresh = [planner.within(order_of(view), peak) for peak in peaks]
+        answers = [cut_search.within(shared, peak) for peak in peaks]
+        fresh = [cut_search.within(order_of(view), peak) for peak in peaks]
     assert answers == fresh
     assert any(cuts is not None and cuts.levels >= 3 for cuts in answers)
     assert shared.searched
@@ -178,7 +178,7 @@ def test_search_reuses_what_it_found_without_changing_answers():
 def test_tiny_graph_gets_no_cuts():
     with tf.Graph().as_default():
         order = order_of(chain_view(1))
-        cuts, _ = planner.smallest_peak(order)
+        cuts, _ = cut_search.smallest_peak(order)
     assert cuts.positions == ()
 
 

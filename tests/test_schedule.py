@@ -12,10 +12,10 @@ import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import inputs
-from memory_saving_gradients.policies import EXPENSIVE_OP_TYPES
-from memory_saving_gradients.schedule import Schedule, recomputed_repeatedly
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis import arguments
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.policies import EXPENSIVE_OP_TYPES
+from memory_saving_gradients.planning.schedule import Schedule, recomputed_repeatedly
 from tests.random_graphs import Variables, build, programs
 
 EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
@@ -23,7 +23,7 @@ EXAMPLES = int(os.environ.get("MSG_PROPERTY_EXAMPLES", "200"))
 
 def view_of(ys, xs) -> ForwardView:
     """The view `msg.gradients(ys, xs)` checkpoints."""
-    args = inputs.parse(ys, xs, None, None, tf.UnconnectedGradients.NONE)
+    args = arguments.parse(ys, xs, None, None, tf.UnconnectedGradients.NONE)
     return ForwardView.build(args.ys, args.unique_xs)
 
 
@@ -49,7 +49,7 @@ def in_several_steps(schedule: Schedule) -> set[tf.Operation]:
 def test_repeated_recomputation_matches_the_built_schedule(program):
     with tf.Graph().as_default():
         built = build(program, Variables.create(program))
-        args = inputs.parse(built.ys, built.xs, None, None, tf.UnconnectedGradients.NONE)
+        args = arguments.parse(built.ys, built.xs, None, None, tf.UnconnectedGradients.NONE)
         if args.only_tensorflow or not (flowing := args.without_constant_ys()).ys:
             return
         view = ForwardView.build(flowing.ys, flowing.unique_xs)

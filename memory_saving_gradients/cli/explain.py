@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import policies
 from memory_saving_gradients.models import command as models
+from memory_saving_gradients.planning import policies
 
 
 def plans(

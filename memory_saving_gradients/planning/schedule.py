@@ -9,7 +9,7 @@ other, so their recomputed tensors are never alive at once. With nested recomput
 whose segment holds checkpoints of the next level carries the schedule of that segment,
 recomputed from its frontier keeping only those: a tree.
 
-That tree is built once per plan, and the simulator (`footprint`), the plan's report and the
+That tree is built once per plan, and the simulator (`simulation`), the plan's report and the
 rewrite all walk it, so what is predicted is what runs. Building it walks each segment once.
 Which ops a checkpoint list would recompute in several steps (`recomputed_repeatedly`, what
 'speed' asks while it chooses) is found without building one: where a path is left uncut the
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 import tensorflow as tf
 from toposort import toposort
 
-from memory_saving_gradients import graph
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis import queries
+from memory_saving_gradients.analysis.view import ForwardView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Segment:
         view: ForwardView,
         is_boundary: Callable[[tf.Tensor], bool],
     ) -> Segment:
-        reached = graph.backward_ops(seeds, within=view.position, stop_at=is_boundary)
+        reached = queries.backward_ops(seeds, within=view.position, stop_at=is_boundary)
         inputs = [t for op in sorted(reached, key=view.order) for t in op.inputs]
         frontier = _unique(t for t in inputs if is_boundary(t))
         read_xs = _unique(t for t in inputs if view.is_x(t) and not is_boundary(t))

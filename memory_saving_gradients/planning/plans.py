@@ -2,7 +2,7 @@
 
 A plan is made for one forward graph (one set of ys and xs) by a strategy, and can be looked
 at before any gradient is built: the tensors kept, the predicted activation peak with them
-and without them (`footprint`), and the forward compute backprop repeats. Passed back as
+and without them (`simulation`), and the forward compute backprop repeats. Passed back as
 `checkpoints=plan`, it is used as it is.
 """
 
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import costs, footprint, graph
-from memory_saving_gradients.schedule import Schedule
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import simulation
+from memory_saving_gradients.planning.schedule import Schedule
 
 MIB = 2**20
 
@@ -79,11 +80,11 @@ class Plan:
     def peak_bytes(self) -> int:
         if not self.checkpoints:
             return self.plain_peak_bytes
-        return footprint.checkpointed_peak(self.schedule)
+        return simulation.checkpointed_peak(self.schedule)
 
     @functools.cached_property
     def plain_peak_bytes(self) -> int:
-        return footprint.plain_peak(self._view)
+        return simulation.plain_peak(self._view)
 
     def predicted(self) -> Plan:
         """This plan with its predictions made now, of the graph as it is: gradients built
@@ -177,7 +178,7 @@ def _count(tensors: Sequence[tf.Tensor]) -> str:
 
 
 def _shape(tensor: tf.Tensor) -> str:
-    shape = graph.static_shape(tensor)
+    shape = queries.static_shape(tensor)
     if shape is None:
         return "?"
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, graph
-from memory_saving_gradients.inputs import Arguments, Gradient
-from memory_saving_gradients.rewrite import GradientOptions, colocated, plain_gradients
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import queries
+from memory_saving_gradients.analysis.arguments import Arguments, Gradient
+from memory_saving_gradients.rewriting.backprop import GradientOptions, colocated, plain_gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _standing_for(
     """The placeholders of `body` whose values are `xs` or are computed from them, and those
     values (captures followed out to the graph that computed them)."""
     xs_refs = {x.ref() for x in xs}
-    captured = [(p, _origin(p, xs_refs)) for p in graph.capture_placeholders(body)]
+    captured = [(p, _origin(p, xs_refs)) for p in queries.capture_placeholders(body)]
     computed = _computed_from(
         xs_refs, [value for _, value in captured if tf.is_symbolic_tensor(value)]
     )
@@ -122,7 +123,7 @@ def _standing_for(
 def _origin(tensor: tf.Tensor, xs_refs: set) -> tf.Tensor:
     """The value `tensor` stands for, captures followed out to the graph that computed it, or
     to one of xs (by ref): as in `tf.gradients`, a placeholder among xs stands for itself."""
-    while tensor.ref() not in xs_refs and (value := graph.captured_value(tensor)) is not None:
+    while tensor.ref() not in xs_refs and (value := queries.captured_value(tensor)) is not None:
         tensor = value
     return tensor
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from memory_saving_gradients.footprint.ledger import ORIGINAL
-from memory_saving_gradients.footprint.simulator import Simulator
-from memory_saving_gradients.schedule import Schedule, Segment, Step
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.schedule import Schedule, Segment, Step
+from memory_saving_gradients.planning.simulation.ledger import ORIGINAL
+from memory_saving_gradients.planning.simulation.simulator import Simulator
 
 
 def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:

@@ -15,7 +15,7 @@ held (fetched, returned, or checked all together before an optimizer applies any
 each is freed once the last op reading its x is differentiated, as an update in the same
 step consumes it: SGD computes its learning rate times gradient in the gradient's buffer,
 and, as checkpointed backprop passes a gradient on only once every op reading its variable
-has run (NOTE [updates after reads] in rewrite.py), updates the variable in place. Plain
+has run (NOTE [updates after reads] in rewriting/backprop.py), updates the variable in place. Plain
 `tf.gradients` passes it on at once, so the update may run while the variable is still read,
 and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
 counted.
@@ -42,6 +42,6 @@ softmax is recomputed).
 Peaks count bytes above what is resident before the step: variables, constants, inputs.
 """
 
-from memory_saving_gradients.footprint.peaks import checkpointed_peak, plain_peak
+from memory_saving_gradients.planning.simulation.peaks import checkpointed_peak, plain_peak
 
 __all__ = ["checkpointed_peak", "plain_peak"]

@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, costs, footprint, search
-from memory_saving_gradients.plans import Plan
-from memory_saving_gradients.schedule import recomputed_repeatedly
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import search, simulation
+from memory_saving_gradients.planning.plans import Plan
+from memory_saving_gradients.planning.schedule import recomputed_repeatedly
 
 if TYPE_CHECKING:  # the API's type, which names `Strategy`
     from memory_saving_gradients.api import CheckpointsArg
@@ -128,7 +130,7 @@ def balanced(view: ForwardView, label: str) -> Plan:
     """The plan recomputing least whose predicted peak is one level's least plus a third of
     what that saves: most of the savings for less recomputation (the longest final part of
     the forward pass that fits is not recomputed at all)."""
-    plain = footprint.plain_peak(view)
+    plain = simulation.plain_peak(view)
     least = search.one_level_least_peak(view, plain)
     return search.within_budget(view, least + (plain - least) / 3, plain, label)
 
@@ -204,7 +206,7 @@ class MemoryBudget:
         return f"MemoryBudget({self.fraction:.3g})"
 
     def __call__(self, view: ForwardView) -> Plan:
-        plain = footprint.plain_peak(view)
+        plain = simulation.plain_peak(view)
         if self.bytes is not None:
             budget: float = self.bytes
         else:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, graph
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import queries
 
 #: Elements assumed for a dimension whose static size is unknown (usually the batch).
 UNKNOWN_DIM_SIZE = 64
@@ -47,7 +48,7 @@ RESIDENT = frozenset({"Const", "ReadVariableOp", "VarHandleOp", "Placeholder"})
 
 def num_elements(tensor: tf.Tensor) -> int:
     """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
-    shape = graph.static_shape(tensor)
+    shape = queries.static_shape(tensor)
     if shape is None:
         return UNKNOWN_DIM_SIZE
     return math.prod(_known(d) for d in shape)
@@ -178,7 +179,7 @@ def gradient_use(op: tf.Operation) -> GradientUse | None:
     key = (
         op.type,
         tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
-        tuple((t.dtype, graph.static_shape(t)) for t in op.inputs),
+        tuple((t.dtype, queries.static_shape(t)) for t in op.inputs),
         cpu,
     )
     if key not in _GRADIENT_USES:
@@ -356,12 +357,12 @@ def flops(op: tf.Operation) -> float:
         inner = _dim(a, -2 if transposed else -1)
         return 2.0 * out * inner
     if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
-        kernel = graph.static_shape(op.inputs[1]) or (None, None, None)
+        kernel = queries.static_shape(op.inputs[1]) or (None, None, None)
         window = math.prod(_known(d) for d in kernel[:-2])
         per_output = window if op.type == "DepthwiseConv2dNative" else window * _known(kernel[-2])
         return 2.0 * out * per_output
     if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):
-        kernel = graph.static_shape(op.inputs[1]) or (None, None)
+        kernel = queries.static_shape(op.inputs[1]) or (None, None)
         return 2.0 * num_elements(op.inputs[2]) * math.prod(_known(d) for d in kernel[:-1])
     if op.type == "Einsum":
         return 2.0 * _einsum_terms(op)
@@ -374,7 +375,7 @@ def _einsum_terms(op: tf.Operation) -> float:
     operands = equation.split("->")[0].split(",")
     sizes: dict[str, int] = {}
     for letters, tensor in zip(operands, op.inputs, strict=False):
-        shape = graph.static_shape(tensor) or ()
+        shape = queries.static_shape(tensor) or ()
         if "." in letters or len(letters) != len(shape):
             return float(num_elements(op.outputs[0]))
         sizes.update((letter, _known(d)) for letter, d in zip(letters, shape, strict=True))
@@ -382,7 +383,7 @@ def _einsum_terms(op: tf.Operation) -> float:
 
 
 def _dim(tensor: tf.Tensor, axis: int) -> int:
-    shape = graph.static_shape(tensor)
+    shape = queries.static_shape(tensor)
     return UNKNOWN_DIM_SIZE if shape is None else _known(shape[axis])
 
 

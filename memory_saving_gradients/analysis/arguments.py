@@ -32,7 +32,7 @@ class Arguments:
       ys, grad_ys: the differentiated tensors and their gradients (None for the default),
         of `graph` or of graphs enclosing it.
       xs: the tensors differentiated against, variables as their handles, of `graph` or of
-        graphs enclosing it (`captures` follows them there).
+        graphs enclosing it (`enclosing` follows them there).
       stop_gradients: as for `tf.gradients`.
       unconnected_gradients: as for `tf.gradients`, checked.
       only_tensorflow: why only TensorFlow's own gradients can be computed, if so.

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from memory_saving_gradients.api import CheckpointsArg
-from memory_saving_gradients.tape import GradientTape
+from memory_saving_gradients.integrations.tape import GradientTape
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The search for the plan that fits a budget, and for the one with the least peak.
 
-`planner` finds the cheapest cuts for a peak of its cost model, which counts what gradients
-read; the peak simulated for a plan (`footprint`) is above it, and does not rise or fall
+`cut_search` finds the cheapest cuts for a peak of its cost model, which counts what gradients
+read; the peak simulated for a plan (`simulation`) is above it, and does not rise or fall
 steadily with it. So plans for a budget of simulated bytes, or for the least simulated peak,
 are searched for here: model peaks are tried, bisected, each plan is simulated, and the best
-that fits is kept. Every knob of this search, and of planner's, is in `tunables`.
+that fits is kept. Every knob of this search, and of the cut search's, is in `tunables`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from typing import TypeGuard
 
-from memory_saving_gradients import footprint, planner, tunables
-from memory_saving_gradients.plans import MIB, Plan
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import cut_search, simulation, tunables
+from memory_saving_gradients.planning.plans import MIB, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 def least_peak(view: ForwardView, label: str) -> Plan:
     """The plan recomputing least among those whose predicted peak is within
     `tunables.NESTING_GAIN` of the least found, called `label`."""
-    order = planner.Order.of(view, view.costs)
-    candidates = _least_peak_candidates(view, order, label, footprint.plain_peak(view))
+    order = cut_search.Order.of(view, view.costs)
+    candidates = _least_peak_candidates(view, order, label, simulation.plain_peak(view))
     least = min(plan.peak_bytes for plan, _ in candidates)
     close = [
         (work, plan)
@@ -36,9 +36,9 @@ def least_peak(view: ForwardView, label: str) -> Plan:
 def one_level_least_peak(view: ForwardView, plain: int) -> int:
     """The predicted peak of the one-level cuts with the least model peak; `plain` is plain
     backprop's predicted peak."""
-    order = planner.Order.of(view, view.costs)
-    flat, _ = planner.smallest_peak(order)
-    return Plan(view, planner.checkpoints_of(order, flat), "one level", plain).peak_bytes
+    order = cut_search.Order.of(view, view.costs)
+    flat, _ = cut_search.smallest_peak(order)
+    return Plan(view, cut_search.checkpoints_of(order, flat), "one level", plain).peak_bytes
 
 
 def budget_headroom(view: ForwardView) -> int:
@@ -65,14 +65,16 @@ def within_budget(
     plans are tried for model peaks tightened until one fits, and then the plan with the
     smallest predicted peak, which may still fit.
     """
-    order = planner.Order.of(view, view.costs)
+    order = cut_search.Order.of(view, view.costs)
     if budget >= plain or not len(order.ops):
         return Plan(view, [()], label, plain)
 
     def plan_for(model_peak: float, nesting: int) -> Plan | None:
-        cuts = planner.within(order, model_peak, nesting=nesting)
+        cuts = cut_search.within(order, model_peak, nesting=nesting)
         return (
-            None if cuts is None else Plan(view, planner.checkpoints_of(order, cuts), label, plain)
+            None
+            if cuts is None
+            else Plan(view, cut_search.checkpoints_of(order, cuts), label, plain)
         )
 
     usable = budget - headroom
@@ -80,8 +82,8 @@ def within_budget(
     def fits(plan: Plan | None) -> TypeGuard[Plan]:
         return plan is not None and plan.peak_bytes <= usable
 
-    flat, flat_peak = planner.smallest_peak(order)
-    least = Plan(view, planner.checkpoints_of(order, flat), label, plain)
+    flat, flat_peak = cut_search.smallest_peak(order)
+    least = Plan(view, cut_search.checkpoints_of(order, flat), label, plain)
     target = usable * order.segment_peak() / plain if plain else usable
     if fits(least):
         if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
@@ -113,34 +115,34 @@ def within_budget(
 
 
 def _least_peak_candidates(
-    view: ForwardView, order: planner.Order, label: str, plain: int
+    view: ForwardView, order: cut_search.Order, label: str, plain: int
 ) -> list[tuple[Plan, float]]:
     """Plans whose predicted peaks may be the least, each with the forward compute it repeats:
     one level's cuts for its least model peak and a few larger ones, and the distinct nested
     plans for ever smaller model peaks (bisected). The simulated peak does not fall steadily
     with the model's, so each is simulated."""
-    flat, high = planner.smallest_peak(order)
+    flat, high = cut_search.smallest_peak(order)
     found = {flat: None}
     for scale in tunables.ONE_LEVEL_SCALES:
-        if (cuts := planner.within(order, scale * high, nesting=0)) is not None:
+        if (cuts := cut_search.within(order, scale * high, nesting=0)) is not None:
             found[cuts] = None
     low = order.least_peak()
     for _ in range(tunables.LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2
-        cuts = planner.within(order, middle)
+        cuts = cut_search.within(order, middle)
         if cuts is None:
             low = middle
         else:
             high = middle
             found[cuts] = None
     return [
-        (Plan(view, planner.checkpoints_of(order, cuts), label, plain),
-         planner.recompute_flops(order, cuts))
+        (Plan(view, cut_search.checkpoints_of(order, cuts), label, plain),
+         cut_search.recompute_flops(order, cuts))
         for cuts in found
     ]  # fmt: skip
 
 
-def _smallest(view: ForwardView, order: planner.Order, label: str, plain: int) -> Plan:
+def _smallest(view: ForwardView, order: cut_search.Order, label: str, plain: int) -> Plan:
     """The plan with the smallest predicted peak of `_least_peak_candidates`."""
     return min(
         (plan for plan, _ in _least_peak_candidates(view, order, label, plain)),

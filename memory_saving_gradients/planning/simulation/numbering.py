@@ -7,7 +7,7 @@ import weakref
 
 import tensorflow as tf
 
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView
 
 #: The numbering of each view alive, by the view's `id`: a view holds tensors, which inside a
 #: tf.function do not hash.

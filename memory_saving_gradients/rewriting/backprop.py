@@ -29,10 +29,11 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, editor, gates
-from memory_saving_gradients.inputs import Gradient
-from memory_saving_gradients.schedule import Schedule, Segment, recomputed_repeatedly
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis.arguments import Gradient
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.schedule import Schedule, Segment, recomputed_repeatedly
+from memory_saving_gradients.rewriting import editor, gates
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,8 @@ class _Backprop:
         """
         user_stops = self.options.stop_gradients
         copied_stops = _copied(user_stops, copies)
-        graph_ = ys[0].graph
-        first_new = len(graph_.get_operations())
+        graph = ys[0].graph
+        first_new = len(graph.get_operations())
         gradients = _tf.tensorflow_gradients(
             list(ys),
             [target.tensor for target in targets],
@@ -173,7 +174,7 @@ class _Backprop:
             for target, gradient in zip(targets, gradients, strict=True)
             if gradient is not None and target.gradient_of.op not in self.view.recomputable
         ]
-        _weight_gradients_first(kept_parts, graph_.get_operations()[first_new:])
+        _weight_gradients_first(kept_parts, graph.get_operations()[first_new:])
 
     def receive(self, targets: Sequence[_Target], gradients: Sequence[Gradient | None]) -> None:
         """Keep the gradient parts found for `targets`."""

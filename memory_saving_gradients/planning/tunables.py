@@ -1,11 +1,11 @@
 """Every knob of the checkpoint search, in one place.
 
-`planner` (the cut search: a dynamic programme over an order of ops, nested) and `search`
+`cut_search` (the cut search: a dynamic programme over an order of ops, nested) and `search`
 (the bisections over it for budgets and the least peak) both read them; neither holds any of
 its own. Each says what it trades.
 """
 
-# The cut search (`planner`).
+# The cut search (`cut_search`).
 
 #: Bisection steps on the peak: the result is within 2**-30 of the best peak the model allows.
 BISECTION_STEPS = 30

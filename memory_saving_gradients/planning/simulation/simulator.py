@@ -10,10 +10,11 @@ from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, costs
-from memory_saving_gradients.footprint.ledger import Buffer, Ledger
-from memory_saving_gradients.footprint.numbering import Numbering
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
+from memory_saving_gradients.planning.simulation.numbering import Numbering
 
 
 class Simulator:

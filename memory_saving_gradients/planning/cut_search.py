@@ -39,8 +39,9 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients import costs, tunables
-from memory_saving_gradients.view import ForwardView
+from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import tunables
 
 
 @dataclasses.dataclass(frozen=True)

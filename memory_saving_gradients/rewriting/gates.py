@@ -1,6 +1,6 @@
 """Gates: what a backward step reads from before it, passed on only once backprop reaches it.
 
-Each step of the rewrite (NOTE [gates] in `rewrite.py`) reads the boundaries and arriving
+Each step of the rewrite (NOTE [gates] in `backprop.py`) reads the boundaries and arriving
 gradients through a gate of its own, so that the executor recomputes nothing early and runs
 one step at a time. A gate must survive graph optimizers (which drop identities and fold
 what they can prove constant) and XLA (which ignores control dependencies): it is a data

@@ -27,9 +27,10 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, graph
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import queries
+from memory_saving_gradients.analysis.arguments import graph_of
 from memory_saving_gradients.api import CheckpointsArg, gradients, unconnected_filled
-from memory_saving_gradients.inputs import graph_of
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +168,10 @@ class GradientTape(tf.GradientTape):
         return True
 
     def _checkpointed_gradients(self, targets, sources, output_gradients, unconnected):
-        graph_ = graph_of(targets)
-        with graph_.as_default():
+        graph = graph_of(targets)
+        with graph.as_default():
             xs = [_as_graph_tensor(s) for s in sources]
-            tracked = self._tracked(graph_)
+            tracked = self._tracked(graph)
             connected = list({x.ref(): x for x in xs if x.ref() in tracked}.values())
             found = {}
             if connected:
@@ -189,21 +190,21 @@ class GradientTape(tf.GradientTape):
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}
             return [unconnected_filled(x, found.get(x.ref()), unconnected) for x in xs]
 
-    def _tracked(self, graph_: tf.Graph) -> set:
+    def _tracked(self, graph: tf.Graph) -> set:
         """Refs of the tensors the tape can differentiate against: those watched and every
         output of a recorded op."""
-        operations = graph_.get_operations()
+        operations = graph.get_operations()
         during = {
             op
             for span in self._spans
-            if span.graph is graph_
+            if span.graph is graph
             for op in operations[span.start : span.end]
         }
         watched = [
             _as_graph_tensor(t) for t in [*self._watched_tensors, *self.watched_variables()]
         ]
-        watched = [t for t in watched if t.graph is graph_]
-        recorded = graph.forward_ops(watched, within=during)
+        watched = [t for t in watched if t.graph is graph]
+        recorded = queries.forward_ops(watched, within=during)
         return {t.ref() for t in watched} | {out.ref() for op in recorded for out in op.outputs}
 
     def _open_span(self) -> None:
@@ -239,6 +240,6 @@ def _as_graph_tensor(value) -> tf.Tensor:
 def _unrecorded_between(xs: list[tf.Tensor], ys: list[tf.Tensor], tracked: set) -> list[tf.Tensor]:
     """Outputs of ops on paths from xs to ys that the tape did not record: gradients stop
     there, as on `tf.GradientTape`."""
-    downstream = graph.forward_ops(xs)
-    between = graph.backward_ops((y.op for y in ys), within=downstream) & downstream
+    downstream = queries.forward_ops(xs)
+    between = queries.backward_ops((y.op for y in ys), within=downstream) & downstream
     return [out for op in between for out in op.outputs if out.ref() not in tracked]

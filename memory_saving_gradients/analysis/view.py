@@ -16,7 +16,8 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from memory_saving_gradients import _tf, costs, graph
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import costs, queries
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +93,11 @@ class ForwardView:
         then stays inside the segment rather than crossing the whole graph.
         """
         xs_refs = {x.ref() for x in xs}
-        reaching_ys = graph.backward_ops(
+        reaching_ys = queries.backward_ops(
             (y.op for y in ys), stop_at=None if through_xs else (lambda t: t.ref() in xs_refs)
         )
-        between = graph.forward_ops(xs, within=reaching_ys)
-        ordered = graph.topological_order(between)
+        between = queries.forward_ops(xs, within=reaching_ys)
+        ordered = queries.topological_order(between)
         xs_ops = frozenset(x.op for x in xs)
         recomputable = set()
         for op in ordered:
