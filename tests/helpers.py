@@ -116,6 +116,13 @@ def values(structure):
     return tf.nest.pack_sequence_as(structure, found, expand_composites=False)
 
 
+def run_in_session(fetches, feed_dict=None):
+    """One run of `fetches` in a Session of the default graph, its variables initialized."""
+    with tf1.Session() as session:
+        session.run(tf1.global_variables_initializer())
+        return session.run(fetches, feed_dict)
+
+
 def run_with_nones(session, gradient_lists, feed_dict=None) -> list[list]:
     """Run lists of gradients in one step; None entries (unconnected xs) stay None."""
     present = [[g for g in gradients if g is not None] for gradients in gradient_lists]

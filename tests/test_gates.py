@@ -4,14 +4,9 @@ import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients.rewriting import gates
+from tests.helpers import run_in_session as run
 
 tf1 = tf.compat.v1
-
-
-def run(fetches, feed_dict=None):
-    with tf1.Session() as session:
-        session.run(tf1.global_variables_initializer())
-        return session.run(fetches, feed_dict)
 
 
 def test_gate_passes_tensors_on_placed_like_them_once_the_waits_exist():

@@ -9,14 +9,9 @@ import tensorflow as tf
 from tensorflow.python.training import optimizer as v1_optimizer
 
 from memory_saving_gradients import _tf
+from tests.helpers import run_in_session as run
 
 tf1 = tf.compat.v1
-
-
-def run(fetches, feed_dict=None):
-    with tf1.Session() as session:
-        session.run(tf1.global_variables_initializer())
-        return session.run(fetches, feed_dict)
 
 
 def test_copy_op_keeps_type_attributes_device_shapes_and_value():
