@@ -75,14 +75,12 @@ class Step:
     Attributes:
       boundary_ops: the boundary ops whose segments the step recomputes, in the view's order.
       segment: the union of their segments.
-      ends: the boundaries among the segment's outputs, where gradients arrive.
       inner: with nested recomputation, the schedule of the segment itself, recomputed from
         its frontier keeping only the next level's checkpoints inside it; else None.
     """
 
     boundary_ops: tuple[tf.Operation, ...]
     segment: Segment
-    ends: tuple[tf.Tensor, ...]
     inner: Schedule | None = None
 
 
@@ -94,7 +92,7 @@ class Schedule:
 
     Attributes:
       view: the forward graph scheduled (for a nested schedule, its segment's).
-      checkpoints, nested: the checkpoints it keeps, and those of each further level.
+      checkpoints: the checkpoints it keeps (the further levels are in its steps' `inner`).
       boundaries: the boundary tensors by `ref()`.
       last: the segment behind the ys, differentiated on the forward pass's own ops.
       segments: the segment behind each boundary op.
@@ -104,7 +102,6 @@ class Schedule:
 
     view: ForwardView
     checkpoints: tuple[tf.Tensor, ...]
-    nested: tuple[tuple[tf.Tensor, ...], ...]
     boundaries: dict[object, tf.Tensor]
     last: Segment
     segments: dict[tf.Operation, Segment]
@@ -136,10 +133,7 @@ class Schedule:
             for group in _independent_groups(level, segments, view.order)
         ]
         last = Segment.behind([y.op for y in view.ys], view, is_boundary)
-        nested_levels = tuple(tuple(level) for level in nested)
-        return cls(
-            view, tuple(checkpoints), nested_levels, boundaries, last, segments, tuple(steps)
-        )
+        return cls(view, tuple(checkpoints), boundaries, last, segments, tuple(steps))
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
@@ -152,15 +146,16 @@ def _step(
     is_boundary: Callable[[tf.Tensor], bool],
     nested: Sequence[Sequence[tf.Tensor]],
 ) -> Step:
+    """The step recomputing the segments of `boundary_ops`, with its inner schedule where
+    its segment holds checkpoints of `nested[0]`: from the segment's frontier to the
+    boundaries among its outputs."""
     segment = Segment.union([segments[op] for op in boundary_ops])
-    ends = tuple(
-        t for op in sorted(segment.ops, key=view.order) for t in op.outputs if is_boundary(t)
-    )
     inner = [t for t in (nested[0] if nested else ()) if t.op in segment.ops]
     if not inner:
-        return Step(boundary_ops, segment, ends)
+        return Step(boundary_ops, segment)
+    ends = [t for op in sorted(segment.ops, key=view.order) for t in op.outputs if is_boundary(t)]
     sub = ForwardView.build(ends, list(segment.frontier), through_xs=False)
-    return Step(boundary_ops, segment, ends, Schedule.build(sub, inner, nested[1:]))
+    return Step(boundary_ops, segment, Schedule.build(sub, inner, nested[1:]))
 
 
 def recomputed_repeatedly(
