@@ -6,6 +6,7 @@
     msg.keras.enable(model, checkpoints="memory")                  # Keras model.fit
     msg.patch("memory")   # or: every tf.gradients / Optimizer.minimize call checkpoints
     print(msg.plan(loss, variables, checkpoints="memory"))  # what it keeps, predicted peaks
+    costs = msg.measure_costs(plain_step)   # then costs=costs: plan from measured kernels
 
 Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
 """
@@ -21,6 +22,7 @@ _PUBLIC = {
     "CHECKPOINTS_COLLECTION": "planning.policies",
     "ForwardView": "analysis.view",
     "GradientTape": "integrations.tape",
+    "MeasuredCosts": "analysis.measured",
     "MemoryBudget": "planning.policies",
     "NoCheckpointsError": "planning.policies",
     "Plan": "planning.plans",
@@ -29,6 +31,7 @@ _PUBLIC = {
     "gradients_collection": "api",
     "gradients_memory": "api",
     "gradients_speed": "api",
+    "measure_costs": "profiling",
     "patch": "integrations.patching",
     "patched": "integrations.patching",
     "plan": "api",
@@ -38,6 +41,7 @@ _PUBLIC = {
 _MODULES = {"keras": "integrations.keras"}
 
 if TYPE_CHECKING:
+    from memory_saving_gradients.analysis.measured import MeasuredCosts
     from memory_saving_gradients.analysis.view import ForwardView
     from memory_saving_gradients.api import (
         gradients,
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
         NoCheckpointsError,
         add_checkpoint,
     )
+    from memory_saving_gradients.profiling import measure_costs
 
 
 def __getattr__(name: str):
@@ -80,6 +85,7 @@ __all__ = [
     "CHECKPOINTS_COLLECTION",
     "ForwardView",
     "GradientTape",
+    "MeasuredCosts",
     "MemoryBudget",
     "NoCheckpointsError",
     "Plan",
@@ -89,6 +95,7 @@ __all__ = [
     "gradients_memory",
     "gradients_speed",
     "keras",
+    "measure_costs",
     "patch",
     "patched",
     "plan",

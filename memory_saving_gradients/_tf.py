@@ -9,6 +9,8 @@ them here means a TensorFlow release that changes one breaks one function, and
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
@@ -350,3 +352,17 @@ GRADIENT_ENTRY_POINTS = (
     EntryPoint(gradients_impl, "gradients", gradients_impl.gradients, "v1"),
     EntryPoint(gradients_module, "gradients", gradients_impl.gradients, "v1"),
 )
+
+
+def read_profile(directory: str):
+    """The `XSpace` (TensorFlow's profile protocol buffer) that `tf.profiler.experimental`
+    wrote under `directory`: TensorFlow has no public reader of its own profiles."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    paths = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        raise RuntimeError(f"The profiler wrote no profile under {directory}.")
+    space = xplane_pb2.XSpace()
+    with open(paths[-1], "rb") as file:
+        space.ParseFromString(file.read())
+    return space

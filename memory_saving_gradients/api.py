@@ -24,6 +24,7 @@ import tensorflow as tf
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import arguments
 from memory_saving_gradients.analysis.arguments import Gradient, TensorLike
+from memory_saving_gradients.analysis.measured import MeasuredCosts
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning.plans import MIB, Plan
 from memory_saving_gradients.planning.policies import (
@@ -50,6 +51,7 @@ def gradients(
     checkpoints: CheckpointsArg = "collection",
     *,
     gradients_held: bool = False,
+    costs: MeasuredCosts | None = None,
     name: str = "gradients",
     colocate_gradients_with_ops: bool = True,
     gate_gradients: bool = False,
@@ -82,6 +84,8 @@ def gradients(
         being applied, and freed, as soon as it is made (an optimizer update in the same
         graph); pass True where they are held, so that predicted peaks and budgets count
         them (`keras.enable` decides from the optimizer).
+      costs: the plain step measured (`measure_costs`): plans from each kernel's measured
+        scratch and time instead of the static estimates.
 
     Returns:
       One gradient per x: a Tensor, an IndexedSlices where `tf.gradients` gives one, or None
@@ -99,7 +103,7 @@ def gradients(
     )
     return compute_gradients(
         ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
-        refuse=True, gradients_held=gradients_held,
+        refuse=True, gradients_held=gradients_held, costs=costs,
     )  # fmt: skip
 
 
@@ -114,12 +118,14 @@ def compute_gradients(
     *,
     refuse: bool,
     gradients_held: bool = False,
+    costs: MeasuredCosts | None = None,
 ) -> list[Gradient | None]:
     """`gradients`, with its `tf.gradients` options in `options` (their stop_gradients
     aside, which are checked here). Where the strategy finds no
     checkpoint: NoCheckpointsError if `refuse`, else TensorFlow's own gradients (logged), as
     patched TensorFlow computes them for code the user did not write."""
     arguments.check_graph_mode()
+    arguments.check_costs(costs)
     args = arguments.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
         gradient_options = dataclasses.replace(options, stop_gradients=args.stop_gradients)
@@ -134,7 +140,7 @@ def compute_gradients(
         grads = [None] * len(unique_xs)
         if flowing.ys:
             grads = _checkpointed(
-                flowing, unique_xs, checkpoints, gradient_options, refuse, gradients_held
+                flowing, unique_xs, checkpoints, gradient_options, refuse, gradients_held, costs
             )
         by_x = {x.ref(): g for x, g in zip(unique_xs, grads, strict=True)}
         by_x.update(outside.gradients(by_x, gradient_options))
@@ -148,8 +154,11 @@ def _checkpointed(
     options: GradientOptions,
     refuse: bool,
     gradients_held: bool,
+    costs: MeasuredCosts | None,
 ) -> list:
-    view = ForwardView.build(args.ys, unique_xs, args.grad_ys is not None, gradients_held)
+    view = ForwardView.build(
+        args.ys, unique_xs, args.grad_ys is not None, gradients_held, measured=costs
+    )
     _report_unreachable(view)
     try:
         plan = plan_for(view, checkpoints)
@@ -173,6 +182,7 @@ def plan(
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
     *,
     gradients_held: bool = False,
+    costs: MeasuredCosts | None = None,
 ) -> Plan:
     """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
     that is predicted to cost, without building any gradient: print it for a table, pass it
@@ -185,6 +195,7 @@ def plan(
         function boundaries).
     """
     arguments.check_graph_mode()
+    arguments.check_costs(costs)
     args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
     if args.only_tensorflow:
         raise ValueError(
@@ -194,7 +205,11 @@ def plan(
         body, _ = enclosing.split(args)
         flowing = body.without_constant_ys()
         view = ForwardView.build(
-            flowing.ys, body.unique_xs, flowing.grad_ys is not None, gradients_held
+            flowing.ys,
+            body.unique_xs,
+            flowing.grad_ys is not None,
+            gradients_held,
+            measured=costs,
         )
         return plan_for(view, checkpoints).predicted()
 
@@ -216,7 +231,7 @@ def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:
     is then not followed."""
     if plan is None or not plan.checkpoints:
         logger.info("No checkpoints chosen: computing plain gradients.")
-    elif not plan.recompute_flops_fraction:
+    elif not plan.recomputes:
         logger.info("%s recomputes nothing: computing plain gradients.", plan.strategy)
     else:
         chosen = not isinstance(checkpoints, str | MemoryBudget)

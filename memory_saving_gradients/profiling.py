@@ -8,10 +8,16 @@ each configuration in a fresh Session.
 
 from __future__ import annotations
 
+import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 
 import tensorflow as tf
+
+from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import measured
+from memory_saving_gradients.analysis.measured import MeasuredCosts
 
 
 def peak_memory(run_step: Callable[[], object], device: str = "CPU:0", warmup: int = 1) -> int:
@@ -43,3 +49,50 @@ def interleaved_step_times(
             run_step()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def measure_costs(
+    run_step: Callable[[], object], device: str = "CPU:0", warmup: int = 1, repeats: int = 3
+) -> MeasuredCosts:
+    """Measure one plain training step, op by op, to plan from (`costs=` of `gradients`,
+    `plan`, `GradientTape`): each kernel's scratch and time, and the step's peak and time.
+
+    `run_step()` runs the step with plain gradients (`tf.gradients`, `tf.GradientTape`): a
+    `tf.function`, or a Session's `run` of its fetches. It is called `warmup` times (tracing,
+    compiling), `repeats` times timed and measured (`peak_memory`), and once under
+    TensorFlow's profiler, which costs about a second per thousand ops to read. Without
+    repeats, the profiled call gives the peak and the time too (slowed by profiling).
+    Plans match the profile to their ops by name, so build the checkpointed step the way the
+    measured one was built (the same model, the same names).
+
+    Raises:
+      RuntimeError: the profiler is already running (another profile is being taken).
+    """
+    for _ in range(warmup):
+        run_step()
+    times, peaks = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        peaks.append(peak_memory(run_step, device, warmup=0))
+        times.append(time.perf_counter() - start)
+    with tempfile.TemporaryDirectory(prefix="msg_profile_") as directory:
+        try:
+            tf.profiler.experimental.start(directory)
+        except tf.errors.AlreadyExistsError as error:
+            raise RuntimeError(
+                "measure_costs needs TensorFlow's profiler, which is already running: stop "
+                "the other profile (tf.profiler.experimental.stop()) and measure again."
+            ) from error
+        try:
+            start = time.perf_counter()
+            profiled_peak = peak_memory(run_step, device, warmup=0)
+            profiled_time = time.perf_counter() - start
+        finally:
+            tf.profiler.experimental.stop()
+        kernels = measured.kernel_records(_tf.read_profile(directory))
+    return MeasuredCosts(
+        kernels=kernels,
+        peak_bytes=min(peaks) if peaks else profiled_peak,
+        step_seconds=statistics.median(times) if times else profiled_time,
+        kernel_seconds=sum(record.seconds for record in kernels.values()),
+    )

@@ -273,3 +273,40 @@ def test_plans_count_gradients_as_the_optimizer_keeps_them():
     assert _gradients_held(keras.optimizers.Adam(global_clipnorm=1.0))
     assert _gradients_held(keras.optimizers.SGD(gradient_accumulation_steps=2))
     assert _gradients_held(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+def grouped_convolutions(blocks: int = 4, channels: int = 64) -> keras.Model:
+    """Residual grouped convolutions: Keras runs them on CPU as XLA-compiled functions, whose
+    gradients hold scratch the static cost model does not know."""
+    inputs = keras.Input((8, 8, channels))
+    h = inputs
+    for _ in range(blocks):
+        convolution = keras.layers.Conv2D(channels, 5, padding="same", groups=channels)
+        h = h + convolution(keras.activations.tanh(h))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(h)))
+
+
+def test_enable_measures_its_first_step_and_plans_from_it():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((48, 8, 8, 64)).astype("f4")
+    y = rng.standard_normal((48, 1)).astype("f4")
+    models = []
+    for measure in (None, True):
+        keras.utils.set_random_seed(0)
+        model = grouped_convolutions()
+        if measure:
+            msg.keras.enable(model, "memory", measure=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    plain, measured = models
+    costs = measured.measured_costs
+    assert costs is not None
+    # The convolutions' gradients, charged to the convolutions by name.
+    largest, record = costs.largest_scratch(1)[0]
+    assert "StatefulPartitionedCall_grad" in largest and record.scratch_bytes > 0
+    convolutions = [n for n in costs.kernels if n.endswith("StatefulPartitionedCall")]
+    charged = costs.for_ops(n.split("/", 1)[1] for n in convolutions)
+    assert charged and all(m.gradient_scratch_bytes > 0 for m in charged.values())
+    # The measured step trained as any other.
+    assert_same_weights(measured, plain)

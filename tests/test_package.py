@@ -39,9 +39,9 @@ MAY_IMPORT = {
     "planning": {"_tf", "analysis"},
     "rewriting": {"_tf", "analysis", "planning"},
     "api": {"_tf", "analysis", "planning", "rewriting"},
-    "integrations": {"_tf", "analysis", "api"},
+    "integrations": {"_tf", "analysis", "api", "profiling"},
     "models": set(),
-    "profiling": set(),
+    "profiling": {"_tf", "analysis"},
     "_tf": set(),
 }
 

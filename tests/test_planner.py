@@ -123,7 +123,7 @@ def test_cuts_within_a_peak_fit_and_start_their_last_segment_earlier(fraction):
     assert cuts.levels == 1
     assert cut_search.model_peak(order, cuts) <= fraction * order.held.sum()
     assert cuts.positions[-1] < smallest.positions[-1]
-    assert cut_search.recompute_flops(order, cuts) < cut_search.recompute_flops(order, smallest)
+    assert cut_search.recompute_work(order, cuts) < cut_search.recompute_work(order, smallest)
 
 
 @pytest.mark.parametrize("n", [64, 256])
@@ -138,8 +138,8 @@ def test_peaks_below_one_level_nest(n):
         levels = cut_search.checkpoints_of(order, cuts)
     assert cuts is not None and cuts.levels >= 2
     assert cut_search.model_peak(order, cuts) <= target
-    forward = order.flops.sum()
-    assert forward < cut_search.recompute_flops(order, cuts) <= (cuts.levels + 0.5) * forward
+    forward = order.compute.sum()
+    assert forward < cut_search.recompute_work(order, cuts) <= (cuts.levels + 0.5) * forward
     assert len(levels) == cuts.levels and all(levels)
 
 

@@ -15,6 +15,7 @@ from typing import TypeAlias
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis.measured import MeasuredCosts
 
 #: What users pass as ys and xs.
 TensorLike: TypeAlias = tf.Tensor | tf.Variable
@@ -197,3 +198,12 @@ def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[Gradient | None] | None:
             )
         checked.append(grad_y)
     return checked
+
+
+def check_costs(costs: object) -> None:
+    """`costs` is None or what `measure_costs` returns."""
+    if costs is not None and not isinstance(costs, MeasuredCosts):
+        raise TypeError(
+            f"costs must be what measure_costs returns (MeasuredCosts), not "
+            f"{type(costs).__name__}: measure_costs(plain_step) profiles the plain step."
+        )

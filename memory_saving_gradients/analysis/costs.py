@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis import queries
+from memory_saving_gradients.analysis import measured, queries
 
 #: Elements assumed for a dimension whose static size is unknown (usually the batch).
 UNKNOWN_DIM_SIZE = 64
@@ -294,8 +294,12 @@ class OpCost:
         taken to read every input and output and to make new input gradients.
       reuses_input: whether its output may take over an input buffer nothing else needs.
       aliases: its outputs are its first input's buffer (reshapes, identities).
-      working: bytes its kernel holds for itself while it runs (`working_bytes`).
+      working: bytes its kernel holds for itself while it runs (`working_bytes`, or
+        measured).
       flops: its compute.
+      seconds: its kernel's measured time; None where costs are static.
+      gradient_working: the most bytes a kernel of its gradient held for itself, measured;
+        None where costs are static (each gradient step's `working` counts instead).
     """
 
     output_bytes: tuple[int, ...]
@@ -307,6 +311,14 @@ class OpCost:
     aliases: bool
     working: int
     flops: float
+    seconds: float | None = None
+    gradient_working: int | None = None
+
+    @property
+    def compute(self) -> float:
+        """What recomputing it costs: its measured seconds, or its FLOPs where costs are
+        static. The ops of one view are all measured or none is."""
+        return self.flops if self.seconds is None else self.seconds
 
 
 def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> OpCost:
@@ -332,6 +344,20 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
         aliases=op.type in ALIASING,
         working=_working_bytes(op, output_bytes),
         flops=flops(op),
+    )
+
+
+def measured_cost(cost: OpCost, measurement: measured.OpMeasurement | None) -> OpCost:
+    """`cost` with its kernels' scratch and time as measured; an op the profile does not
+    show (folded, pruned, fused into another op, which carries the fused kernel's costs)
+    measured nothing."""
+    if measurement is None:
+        measurement = measured.OpMeasurement(0.0, 0, 0.0, 0)
+    return dataclasses.replace(
+        cost,
+        working=measurement.scratch_bytes,
+        seconds=measurement.seconds,
+        gradient_working=measurement.gradient_scratch_bytes,
     )
 
 

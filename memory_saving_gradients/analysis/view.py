@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis.measured import MeasuredCosts, OpMeasurement
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ FRAME_TYPES = frozenset(
         "RefMerge", "RefNextIteration", "RefSwitch", "Switch",
     }
 )  # fmt: skip
+
+
+#: Ops whose output is a variable's value: the gradient of that output is the variable's.
+VARIABLE_READS = frozenset({"ReadVariableOp", "Identity", "Snapshot"})
 
 
 def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> str | None:
@@ -65,6 +70,8 @@ class ForwardView:
       gradients_held: whether the gradients of xs all live to the end of the step (they are
         fetched or returned, or checked together before any is applied: loss scaling,
         global-norm clipping), rather than each being applied, and freed, once complete.
+      measured: a profiled plain step of these ops (`profiling.measure_costs`), whose
+        kernels' scratch and times replace the static estimates; None for static costs.
     """
 
     ys: tuple[tf.Tensor, ...]
@@ -75,6 +82,7 @@ class ForwardView:
     reused: tuple[tf.Tensor, ...]
     given_grad_ys: bool = False
     gradients_held: bool = False
+    measured: MeasuredCosts | None = None
 
     @classmethod
     def build(
@@ -84,6 +92,7 @@ class ForwardView:
         given_grad_ys: bool = False,
         gradients_held: bool = False,
         through_xs: bool = True,
+        measured: MeasuredCosts | None = None,
     ) -> ForwardView:
         """Analyse the graph between `xs` and `ys` (tensors of one graph).
 
@@ -129,6 +138,7 @@ class ForwardView:
             reused=tuple(reused.values()),
             given_grad_ys=given_grad_ys,
             gradients_held=gradients_held,
+            measured=measured,
         )
 
     @cached_property
@@ -140,7 +150,12 @@ class ForwardView:
         def needs_gradient(tensor: tf.Tensor) -> bool:
             return tensor.op in self.position or tensor.ref() in xs
 
-        return {op: costs.op_cost(op, needs_gradient) for op in self.ops}
+        static = {op: costs.op_cost(op, needs_gradient) for op in self.ops}
+        if self.measured is None:
+            return static
+        found = self.measured.for_ops(op.name for op in self.ops)
+        _check_measured_here(self.ops, found)
+        return {op: costs.measured_cost(cost, found.get(op.name)) for op, cost in static.items()}
 
     @cached_property
     def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
@@ -148,12 +163,14 @@ class ForwardView:
         return (*self.xs, *(out for x in self.xs for out in self.reads_of(x)))
 
     def reads_of(self, x: tf.Tensor) -> list[tf.Tensor]:
-        """The floating-point outputs of ops that read `x` without being recomputed (variable
-        reads): their gradients pass on to `x` unchanged."""
+        """The floating-point outputs of the variable reads of `x` (a resource read, or the
+        identity reading a TF1 reference variable), not recomputed: their gradients pass on
+        to `x` unchanged. Other ops reading a variable (a gather, a function call capturing
+        it) make gradients of their own."""
         return [
             out
             for op in dict.fromkeys(self.consumers(x))
-            if op not in self.recomputable
+            if op not in self.recomputable and op.type in VARIABLE_READS
             for out in op.outputs
             if out.dtype.is_floating
         ]
@@ -183,3 +200,26 @@ class ForwardView:
     def consumers(self, tensor: tf.Tensor) -> list[tf.Operation]:
         """The ops of this view that read `tensor`."""
         return [op for op in tensor.consumers() if op in self.position]
+
+
+#: Below this fraction of a view's kernels found in a profile, it was likely of another graph.
+MEASURED_COVERAGE = 0.5
+
+
+def _check_measured_here(ops: Sequence[tf.Operation], found: dict[str, OpMeasurement]) -> None:
+    """Raise where a profile shows none of `ops`, warn where it shows few of those that run
+    kernels: plans match a profile to their ops by name."""
+    kernels = [op for op in ops if op.type not in costs.ALIASING | costs.RESIDENT]
+    matched = sum(op.name in found for op in kernels)
+    if kernels and not matched:
+        raise ValueError(
+            f"The measured costs show none of the {len(kernels)} forward ops being planned "
+            f"(first: {kernels[0].name!r}): they were measured on another step. Measure the "
+            "plain step of this model, built the same way, with measure_costs."
+        )
+    if matched < MEASURED_COVERAGE * len(kernels):
+        logger.warning(
+            "The measured costs show only %d of the %d forward ops being planned (by name); "
+            "the others are planned as costing nothing. Was the step measured built the same "
+            "way?", matched, len(kernels),
+        )  # fmt: skip

@@ -10,6 +10,12 @@ are Keras's own. Plans count on what the optimizer does with the gradients: a pl
 applies each as soon as it is made, while loss scaling, global-norm clipping, gradient
 accumulation and the all-reduce of several replicas hold them all until the last is made.
 
+With `measure=True`, the first step of `fit` runs Keras's own plain step under TensorFlow's
+profiler (`measure_costs`), and the steps after it plan from what that measured: kernels'
+scratch the static estimates do not know (Keras 3 runs grouped and depthwise convolutions on
+CPU as XLA-compiled functions, whose gradients hold scratch of their own), and kernels' times.
+That step trains as any other; it costs one more trace and about a second per thousand ops.
+
 With `jit_compile=True` the training step stays compiled by XLA and keeps its savings (the
 recomputation reads its inputs through a data dependency XLA keeps: NOTE [gates under XLA] in
 `_tf`). With `run_eagerly=True` there is no graph to rewrite: the step computes plain
@@ -26,19 +32,26 @@ from typing import TypeVar
 import keras
 import tensorflow as tf
 
-from memory_saving_gradients.api import CheckpointsArg
+from memory_saving_gradients.analysis.measured import MeasuredCosts
+from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.api import CheckpointsArg, Plan
 from memory_saving_gradients.integrations.tape import GradientTape
+from memory_saving_gradients.profiling import measure_costs
 
 logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=keras.Model)
 
 
-def enable(model: ModelT, checkpoints: CheckpointsArg = "memory") -> ModelT:
+def enable(
+    model: ModelT, checkpoints: CheckpointsArg = "memory", *, measure: bool = False
+) -> ModelT:
     """Make `model.fit` compute checkpointed gradients; returns `model`.
 
     Works on built and unbuilt models, before or after `compile`; calling it again changes
-    `checkpoints`. A model saved and loaded again needs `enable` again.
+    `checkpoints`. A model saved and loaded again needs `enable` again. With `measure`, the
+    first step of `fit` is a plain step, measured, and the plans of the steps after it use
+    its costs (`model.measured_costs` then holds them).
 
     Raises:
       RuntimeError: Keras does not run on the TensorFlow backend.
@@ -58,7 +71,10 @@ def enable(model: ModelT, checkpoints: CheckpointsArg = "memory") -> ModelT:
             "use memory_saving_gradients.GradientTape there instead of tf.GradientTape."
         )
     model.train_step = types.MethodType(_checkpointed_train_step(checkpoints), model)
-    model.make_train_function = types.MethodType(_make_train_function, model)
+    model.measured_costs = None
+    model.make_train_function = types.MethodType(
+        _measuring_train_function(checkpoints) if measure else _make_train_function, model
+    )
     model.train_function = None
     logger.info(
         "Keras model %s: fit computes gradients with checkpoints=%r.", model.name, checkpoints
@@ -66,13 +82,13 @@ def enable(model: ModelT, checkpoints: CheckpointsArg = "memory") -> ModelT:
     return model
 
 
-def _checkpointed_train_step(checkpoints: CheckpointsArg):
-    """Keras's training step, with the checkpointed tape."""
+def _checkpointed_train_step(checkpoints: CheckpointsArg, costs: MeasuredCosts | None = None):
+    """Keras's training step, with the checkpointed tape (planning from `costs`)."""
 
     def train_step(model: keras.Model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         held = _gradients_held(model.optimizer)
-        with GradientTape(checkpoints=checkpoints, gradients_held=held) as tape:
+        with GradientTape(checkpoints=checkpoints, gradients_held=held, costs=costs) as tape:
             y_pred = model(x, training=True) if _call_takes_training(model) else model(x)
             loss = _compute_loss(model, x, y, y_pred, sample_weight)
             scaled_loss = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
@@ -112,6 +128,44 @@ def _make_train_function(model: keras.Model, force: bool = False):
             model.name,
         )
     return type(model).make_train_function(model, force)
+
+
+def _measuring_train_function(checkpoints: CheckpointsArg):
+    """`make_train_function` whose function measures its first call as a plain step
+    (Keras's own `train_step`), then makes the checkpointed one from those costs and hands
+    every later call to it. `fit` calls `model.train_function` anew each step."""
+
+    def make_train_function(model: keras.Model, force: bool = False):
+        if getattr(model, "measured_costs", None) is not None:
+            return _make_train_function(model, force)
+        if model.train_function is not None and not force:
+            return model.train_function
+        # Plain gradients through the tape, named as `tf.gradients` names them, which
+        # charges each gradient op to its forward op (`measured`); TensorFlow's own tape
+        # names a function call's gradient after nothing it differentiates.
+        model.train_step = types.MethodType(_checkpointed_train_step(_keep_nothing), model)
+        type(model).make_train_function(model, force=True)
+        plain = model.train_function
+
+        def first_step(data):
+            logs = []
+            costs = measure_costs(lambda: logs.append(plain(data)), warmup=0, repeats=0)
+            logger.info("Keras model %s: %s", model.name, costs.report(5))
+            model.measured_costs = costs
+            model.train_step = types.MethodType(
+                _checkpointed_train_step(checkpoints, costs), model
+            )
+            _make_train_function(model, force=True)
+            return logs[0]
+
+        model.train_function = first_step
+        return first_step
+
+    return make_train_function
+
+
+def _keep_nothing(view: ForwardView) -> Plan:
+    return Plan(view, [()], "plain, measured")
 
 
 def _call_takes_training(model: keras.Model) -> bool:

@@ -30,6 +30,7 @@ import tensorflow as tf
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import queries
 from memory_saving_gradients.analysis.arguments import graph_of
+from memory_saving_gradients.analysis.measured import MeasuredCosts
 from memory_saving_gradients.api import CheckpointsArg, gradients, unconnected_filled
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class GradientTape(tf.GradientTape):
     any value `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed',
     'collection', a `MemoryBudget`, a list); `gradients_held` is its argument of that name
     (pass True where the step keeps every gradient until the last is made, e.g. to check
-    them all for overflow).
+    them all for overflow); `costs` too (a plain step measured by `measure_costs`).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
     """
 
@@ -66,10 +67,12 @@ class GradientTape(tf.GradientTape):
         watch_accessed_variables: bool = True,
         checkpoints: CheckpointsArg = "memory",
         gradients_held: bool = False,
+        costs: MeasuredCosts | None = None,
     ) -> None:
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
         self.gradients_held = gradients_held
+        self.costs = costs
         self._persistent_tape = persistent
         self._spans: list[_Span] = []
         self._watched_tensors: list[tf.Tensor] = []
@@ -184,7 +187,7 @@ class GradientTape(tf.GradientTape):
                 stops = _unrecorded_between(connected, targets, tracked)
                 grads = gradients(
                     targets, connected, grad_ys, self.checkpoints,
-                    gradients_held=self.gradients_held, stop_gradients=stops,
+                    gradients_held=self.gradients_held, costs=self.costs, stop_gradients=stops,
                     unconnected_gradients=unconnected,
                 )  # fmt: skip
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}

@@ -68,7 +68,7 @@ class Order:
     Attributes:
       ops: the ops.
       held: bytes of each op's outputs that backprop holds (some gradient reads them).
-      flops: each op's compute.
+      compute: what recomputing each op costs (`costs.OpCost.compute`).
       gradients: bytes of the xs' gradients made by the time backprop reaches each op (those
         of the xs read at or after it), where the view holds them to the end of the step;
         zeros where each is applied once complete.
@@ -82,7 +82,7 @@ class Order:
 
     ops: tuple[tf.Operation, ...]
     held: np.ndarray
-    flops: np.ndarray
+    compute: np.ndarray
     gradients: np.ndarray
     tensors: tuple[tf.Tensor, ...]
     made: np.ndarray
@@ -115,10 +115,10 @@ class Order:
                     last.append(end)
                     bytes_ = costs.tensor_bytes(tensor)
                     weight.append(bytes_ if kept else bytes_ * (1 + tunables.TIE_BREAK))
-        flops = np.array([cost[op].flops for op in ops], dtype=float)
+        compute = np.array([cost[op].compute for op in ops], dtype=float)
         gradients = _held_gradients(view, position) if view.gradients_held else np.zeros(len(ops))
         return cls(
-            ops, held, flops, gradients, tuple(tensors), np.array(made, dtype=int),
+            ops, held, compute, gradients, tuple(tensors), np.array(made, dtype=int),
             np.array(last, dtype=int), np.array(weight, dtype=float),
         )  # fmt: skip
 
@@ -231,7 +231,7 @@ def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None
         if flat is None:
             return None, np.inf
         cuts = _flat(flat, start)
-        work = recompute_flops(order, cuts, start, end)
+        work = recompute_work(order, cuts, start, end)
         return (cuts, work) if work < cheaper_than else (None, np.inf)
     best, work = None, np.inf
     for scale in tunables.NESTING_SCALES:
@@ -240,7 +240,7 @@ def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None
             continue
         plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, cheaper_than)
         if plan is not None:
-            best, work = plan, recompute_flops(order, plan, start, end)
+            best, work = plan, recompute_work(order, plan, start, end)
             cheaper_than = work
         elif best is not None:
             break
@@ -252,7 +252,7 @@ def _nest(order, start, end, top, cut_cost, peak, nesting, cheaper_than) -> Cuts
     cuts before it leave of `peak`, if together they recompute less than `cheaper_than`."""
     bounds = [start, *(start + c + 1 for c in top), end]
     spent = np.concatenate([[0.0], np.cumsum(cut_cost[top])])
-    work = order.flops[start : bounds[-2]].sum()
+    work = order.compute[start : bounds[-2]].sum()
     inner: list[Cuts | None] = []
     for j in range(len(bounds) - 1):
         if work >= cheaper_than:
@@ -264,22 +264,22 @@ def _nest(order, start, end, top, cut_cost, peak, nesting, cheaper_than) -> Cuts
         nested = within(order, peak - spent[j], a, b, nesting, cheaper_than - work)
         if nested is None:
             return None
-        work += recompute_flops(order, nested, a, b)
+        work += recompute_work(order, nested, a, b)
         inner.append(nested)
     return Cuts(tuple(start + c for c in top), tuple(inner))
 
 
-def recompute_flops(order: Order, cuts: Cuts, start: int = 0, end: int | None = None) -> float:
-    """Forward compute that backprop with `cuts` repeats: every segment but the last is
-    recomputed once, plus what its own nested cuts repeat inside it."""
+def recompute_work(order: Order, cuts: Cuts, start: int = 0, end: int | None = None) -> float:
+    """Forward compute (FLOPs, or measured seconds) that backprop with `cuts` repeats: every
+    segment but the last is recomputed once, plus what its own nested cuts repeat inside it."""
     end = len(order.ops) if end is None else end
     bounds = [start, *(p + 1 for p in cuts.positions), end]
     work = 0.0
     for j in range(len(bounds) - 2):
         a, b = bounds[j], bounds[j + 1]
-        work += order.flops[a:b].sum()
+        work += order.compute[a:b].sum()
         if (nested := cuts.inner[j]) is not None:
-            work += recompute_flops(order, nested, a, b)
+            work += recompute_work(order, nested, a, b)
     return work
 
 

@@ -33,7 +33,12 @@ class Plan:
         resident before it: variables, inputs).
       plain_peak_bytes: the same for `tf.gradients`.
       recompute_flops_fraction: the forward compute backprop repeats, over the forward
-        pass's (0: nothing recomputed; about 1 for one level over the whole pass).
+        pass's (0: nothing recomputed; about 1 for one level over the whole pass): FLOPs by
+        the static model, or kernel time where the costs are measured.
+      cost_source: what the predictions come from: "measured" (a profiled plain step,
+        `measure_costs`) or "static" (estimates from shapes and op types).
+      time_ratio: the predicted step time over plain backprop's, with measured costs (the
+        measured kernel time recomputed copies add); None with static costs.
     """
 
     def __init__(
@@ -90,7 +95,8 @@ class Plan:
         """This plan with its predictions made now, of the graph as it is: gradients built
         later (TensorFlow's, of function calls and control flow) add outputs to forward ops,
         which would change predictions made after them."""
-        for prediction in ("peak_bytes", "plain_peak_bytes", "recompute_flops_fraction", "pays"):
+        predictions = ("peak_bytes", "plain_peak_bytes", "recompute_flops_fraction", "pays")
+        for prediction in (*predictions, "time_ratio"):
             getattr(self, prediction)
         return self
 
@@ -98,18 +104,42 @@ class Plan:
     def pays(self) -> bool:
         """Whether backprop with this plan recomputes something and is predicted to need less
         memory than plain backprop; where not, `gradients` computes plain gradients."""
-        return (
-            bool(self.checkpoints)
-            and bool(self.recompute_flops_fraction)
-            and self.peak_bytes < self.plain_peak_bytes
-        )
+        return self.recomputes and self.peak_bytes < self.plain_peak_bytes
+
+    @functools.cached_property
+    def recomputes(self) -> bool:
+        """Whether backprop with this plan runs any forward op again."""
+        return bool(self.checkpoints) and _runs_again(self.schedule)
+
+    @property
+    def cost_source(self) -> str:
+        return "static" if self._view.measured is None else "measured"
+
+    @functools.cached_property
+    def time_ratio(self) -> float | None:
+        measured = self._view.measured
+        if measured is None or not measured.kernel_seconds:
+            return None
+        if not self.checkpoints:
+            return 1.0
+        return 1.0 + _recomputed(self.schedule, self._view.costs) / measured.kernel_seconds
 
     @functools.cached_property
     def recompute_flops_fraction(self) -> float:
-        forward = sum(costs.flops(op) for op in self._view.ops)
+        cost = self._view.costs
+        forward = sum(cost[op].compute for op in self._view.ops)
         if not self.checkpoints or not forward:
             return 0.0
-        return _recomputed(self.schedule) / forward
+        return _recomputed(self.schedule, cost) / forward
+
+    def _costs_line(self) -> str:
+        measured = self._view.measured
+        if measured is None:
+            return "static estimates (pass costs=measure_costs(plain step) to plan from measured)"
+        return (
+            f"measured on a plain step ({measured.peak_bytes / MIB:.1f} MiB measured peak); "
+            f"predicted step time {self.time_ratio:.2f}x plain"
+        )
 
     def __repr__(self) -> str:
         nested = f", nested {[len(level) for level in self.nested]}" if self.nested else ""
@@ -126,6 +156,7 @@ class Plan:
             f"  predicted activation peak {peak / MIB:.1f} MiB with it, "
             f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
             f"  recomputes {self.recompute_flops_fraction:.2f} of the forward compute",
+            f"  costs: {self._costs_line()}",
         ]
         if self.checkpoints and not self.pays:
             lines.append("  saves nothing: gradients() computes plain gradients for it")
@@ -144,14 +175,23 @@ class Plan:
         return "\n".join(lines)
 
 
-def _recomputed(schedule: Schedule) -> float:
-    """The forward compute backprop with `schedule` repeats: every step recomputes its
-    segment, and a step with an inner schedule recomputes that one's segments again."""
+def _runs_again(schedule: Schedule) -> bool:
+    return any(
+        _run_again(schedule.view, step.segment.ops)
+        or (step.inner is not None and _runs_again(step.inner))
+        for step in schedule.steps
+    )
+
+
+def _recomputed(schedule: Schedule, cost: dict[tf.Operation, costs.OpCost]) -> float:
+    """The forward compute backprop with `schedule` repeats, by the `cost` of each op: every
+    step recomputes its segment, and a step with an inner schedule recomputes that one's
+    segments again."""
     total = 0.0
     for step in schedule.steps:
-        total += sum(costs.flops(op) for op in _run_again(schedule.view, step.segment.ops))
+        total += sum(cost[op].compute for op in _run_again(schedule.view, step.segment.ops))
         if step.inner is not None:
-            total += _recomputed(step.inner)
+            total += _recomputed(step.inner, cost)
     return total
 
 

@@ -137,7 +137,7 @@ def _least_peak_candidates(
             found[cuts] = None
     return [
         (Plan(view, cut_search.checkpoints_of(order, cuts), label, plain),
-         cut_search.recompute_flops(order, cuts))
+         cut_search.recompute_work(order, cuts))
         for cuts in found
     ]  # fmt: skip
 

@@ -246,6 +246,8 @@ class Simulator:
             ]
         else:
             made = self._run_gradient(op, cost.gradient, wanted, incoming, read, dying)
+        if cost.gradient_working:
+            self.ledger.working(cost.gradient_working)
         received = []
         for t, buffer in zip(inputs, made, strict=True):
             if buffer is not None:
@@ -308,7 +310,7 @@ class Simulator:
                     buffer = ledger.new(size)
                 value[t] = buffer
                 made.add(t)
-            if step.working and not folded:
+            if step.working and not folded and self.cost[op].gradient_working is None:
                 ledger.working(working if self.side_by_side else step.working)
             for t in step.outputs:
                 if t not in readers and t not in returned:
