@@ -359,3 +359,20 @@ def test_called_op_types_reads_bodies_and_their_callees_from_the_library():
         assert {"MatMul", "Relu"} <= _tf.called_op_types(call)
         assert {"Sigmoid", "Tanh"} <= _tf.called_op_types(branch)
         assert _tf.called_op_types(tf.tanh(x).op) == frozenset()
+
+
+def test_read_profile_reads_allocations_and_kernels_the_profiler_wrote(tmp_path):
+    weights = tf.Variable(tf.ones([256, 512]))
+
+    @tf.function
+    def step():
+        return tf.reduce_sum(tf.tanh(tf.ones([512, 256]) @ weights, name="profiled_tanh"))
+
+    step()
+    tf.profiler.experimental.start(str(tmp_path))
+    step()
+    tf.profiler.experimental.stop()
+    space = _tf.read_profile(str(tmp_path))
+    names = {m.name for plane in space.planes for m in plane.event_metadata.values()}
+    assert "MemoryAllocation" in names
+    assert any(name.startswith("profiled_tanh:") for name in names), sorted(names)[:20]

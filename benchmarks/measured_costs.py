@@ -1,0 +1,141 @@
+"""Predictions from measured costs against measurements, on `keras.applications` models.
+
+For each model: a training step in a `tf.function` (training-mode forward pass, the sum of
+the outputs as the loss, gradients of every trainable weight, each reduced to a scalar), plain
+and with each strategy. The plain step is measured once (`msg.measure_costs`), and each
+strategy is planned twice, from the static estimates and from those costs; each step's
+activation peak (the smallest of two fresh measurements) and its step time against plain
+(medians of interleaved steps) are set beside the predictions. Errors are against the
+measured peak; "time" is measured over plain, "predicted" the plan's `time_ratio`.
+
+    python benchmarks/measured_costs.py                       # ConvNeXtTiny 64x64 batch 8
+    python benchmarks/measured_costs.py --models ResNet50 --size 96 --batch 16
+    python benchmarks/measured_costs.py --models MobileNetV2 --policy mixed_float16
+    python benchmarks/measured_costs.py --targets             # exit 1 unless every measured-
+                                                              # costs prediction is within 15%
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
+
+MiB = 2**20
+#: Issue 22: predicted peaks within this fraction of the measured ones, with measured costs.
+TARGET_ERROR = 0.15
+STRATEGIES = {
+    "memory": "memory",
+    "balanced": "balanced",
+    "speed": "speed",
+    "MemoryBudget(0.5)": msg.MemoryBudget(0.5),
+}
+
+
+def _model(name: str, size: int, batch: int):
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, name)(
+        weights=None, input_shape=(size, size, 3), classes=10
+    )
+    x = tf.constant(np.random.default_rng(0).random((batch, size, size, 3), np.float32))
+    return model, x
+
+
+def _step(model, x, checkpoints=None, costs=None, plans=None):
+    @tf.function
+    def step():
+        loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
+        weights = model.trainable_variables
+        if checkpoints is None:
+            grads = tf.gradients(loss, weights)
+        else:
+            plans.append(msg.plan(loss, weights, checkpoints, costs=costs))
+            grads = msg.gradients(loss, weights, checkpoints=checkpoints, costs=costs)
+        return [tf.reduce_sum(g) for g in grads]
+
+    return step
+
+
+def bench(name: str, size: int, batch: int, strategies: list[str], repeats: int) -> list[dict]:
+    model, x = _model(name, size, batch)
+    plain = _step(model, x)
+    start = time.perf_counter()
+    costs = msg.measure_costs(plain)
+    measuring = time.perf_counter() - start
+    print(f"\n{name} {size}x{size} batch {batch}: measured in {measuring:.1f} s")
+    print(costs.report(6))
+    steps = {"plain": plain}
+    rows = []
+    for label in strategies:
+        for source in ("static", "measured"):
+            plans: list = []
+            step = _step(
+                model, x, STRATEGIES[label], costs if source == "measured" else None, plans
+            )
+            step()
+            plan = plans[0]
+            peak = min(peak_memory(step) for _ in range(2))
+            steps[f"{label} {source}"] = step
+            rows.append(
+                {"model": name, "strategy": label, "costs": source, "plan": plan, "peak": peak}
+            )
+    plain_peak = min(peak_memory(plain) for _ in range(2))
+    times = interleaved_step_times(steps, repeats=repeats)
+    median = {k: float(np.median(v)) for k, v in times.items()}
+    print(f"  {'strategy':<20}{'costs':<10}{'pred plain':>11}{'err':>7}{'pred':>9}{'measured':>10}"
+          f"{'err':>7}{'of plain':>9}{'time':>7}{'pred':>7}")  # fmt: skip
+    for row in rows:
+        plan, peak = row["plan"], row["peak"]
+        row["plain_error"] = plan.plain_peak_bytes / plain_peak - 1
+        row["error"] = plan.peak_bytes / peak - 1 if peak else 0.0
+        row["of_plain"] = peak / plain_peak
+        row["time"] = median[f"{row['strategy']} {row['costs']}"] / median["plain"]
+        predicted_time = f"{plan.time_ratio:.2f}" if plan.time_ratio else "-"
+        print(
+            f"  {row['strategy']:<20}{row['costs']:<10}{plan.plain_peak_bytes / MiB:>11.1f}"
+            f"{row['plain_error']:>+7.0%}{plan.peak_bytes / MiB:>9.1f}{peak / MiB:>10.1f}"
+            f"{row['error']:>+7.0%}{row['of_plain']:>9.2f}{row['time']:>7.2f}{predicted_time:>7}"
+        )
+    print(f"  plain measured {plain_peak / MiB:.1f} MiB")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["ConvNeXtTiny"])
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--policy", default="float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--targets", action="store_true")
+    args = parser.parse_args(argv)
+    keras.mixed_precision.set_global_policy(args.policy)
+    rows = []
+    for name in args.models:
+        rows += bench(name, args.size, args.batch, args.strategies, args.repeats)
+    missed = [
+        r for r in rows
+        if r["costs"] == "measured"
+        and max(abs(r["error"]), abs(r["plain_error"])) > TARGET_ERROR
+    ]  # fmt: skip
+    for r in missed:
+        print(
+            f"missed: {r['model']} {r['strategy']}: {r['error']:+.0%} "
+            f"(plain {r['plain_error']:+.0%})"
+        )
+    return 1 if args.targets and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
