@@ -53,12 +53,20 @@ def residual_cnn(blocks: int, channels: int, size: int, classes: int = 10) -> ke
     return keras.Model(inputs, keras.layers.Dense(classes)(h))
 
 
-def train_step(args: argparse.Namespace, checkpoints: str | None):
+def build_model(args: argparse.Namespace) -> keras.Model:
+    """The residual CNN, or a `keras.applications` model (weights=None) named by --model."""
+    if args.model == "residual":
+        return residual_cnn(args.blocks, args.channels, args.size)
+    application = getattr(keras.applications, args.model)
+    return application(weights=None, input_shape=(args.size, args.size, 3), classes=10)
+
+
+def train_step(args: argparse.Namespace, checkpoints: object | None):
     """One `train_on_batch` of a fresh model, plain when `checkpoints` is None."""
     keras.utils.set_random_seed(0)
-    model = residual_cnn(args.blocks, args.channels, args.size)
+    model = build_model(args)
     if checkpoints is not None:
-        msg.keras.enable(model, checkpoints=checkpoints)
+        msg.keras.enable(model, checkpoints=checkpoints, measure=args.measure)
     model.compile(
         optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -71,6 +79,9 @@ def train_step(args: argparse.Namespace, checkpoints: str | None):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default="residual", help="'residual', or a keras.applications name"
+    )
     parser.add_argument("--blocks", type=int, default=56)
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--size", type=int, default=32, help="image height and width")
@@ -82,6 +93,12 @@ def main(argv=None) -> int:
         default=["balanced", "memory"],
         help="strategies to compare with plain; --targets judges the first",
     )
+    parser.add_argument(
+        "--budgets", type=float, nargs="*", default=[], help="MemoryBudget fractions to compare"
+    )
+    parser.add_argument(
+        "--measure", action="store_true", help="plan from the first step, measured"
+    )
     parser.add_argument("--memory-repeats", type=int, default=3, help="fresh models per method")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per method")
     parser.add_argument(
@@ -89,11 +106,16 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype)  # mixed: compile loss-scales
-    methods = {"plain": None, **{name: name for name in args.checkpoints}}
+    methods: dict[str, object] = {"plain": None, **{name: name for name in args.checkpoints}}
+    methods.update({f"budget {b:g}": msg.MemoryBudget(b) for b in args.budgets})
+    model = (
+        f"residual CNN of {args.blocks} blocks, {args.channels} channels"
+        if args.model == "residual"
+        else f"keras.applications.{args.model}"
+    )
     print(
-        f"Keras {keras.__version__} fit step, TensorFlow {tf.__version__}: residual CNN of "
-        f"{args.blocks} blocks, {args.channels} channels, {args.size}x{args.size} images, "
-        f"batch {args.batch}, {args.dtype}",
+        f"Keras {keras.__version__} fit step, TensorFlow {tf.__version__}: {model}, "
+        f"{args.size}x{args.size} images, batch {args.batch}, {args.dtype}",
         flush=True,
     )
     peaks: dict[str, list[float]] = {name: [] for name in methods}
@@ -107,14 +129,14 @@ def main(argv=None) -> int:
     median = {name: float(np.median(values)) for name, values in times.items()}
 
     print(
-        f"{'method':>10}{'activation MiB':>16}{'step s':>10}{'less memory':>13}"
+        f"{'method':>12}{'activation MiB':>16}{'step s':>10}{'less memory':>13}"
         f"{'time ratio':>12}   fresh models' peaks, MiB"
     )
     for name in methods:
         runs = ", ".join(f"{peak:.0f}" for peak in peaks[name])
         less, ratio = best["plain"] / best[name], median[name] / median["plain"]
         print(
-            f"{name:>10}{best[name]:>16.1f}{median[name]:>10.3f}{less:>12.2f}x{ratio:>11.2f}x"
+            f"{name:>12}{best[name]:>16.1f}{median[name]:>10.3f}{less:>12.2f}x{ratio:>11.2f}x"
             f"   {runs}"
         )
     print(

@@ -81,6 +81,28 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     return copy
 
 
+def differentiated_as(value: tf.Tensor, op: tf.Operation) -> tf.Tensor:
+    """`value` passed on unchanged (an IdentityN, which shares its buffer), differentiated as
+    the one output of `op`: the gradient arriving at it goes through `op`'s gradient function
+    into `op`'s inputs, which the pass-through also reads (unchanged) for that, so `op`
+    itself need never run. Built in the caller's scopes (the caller places it)."""
+    passed = tf.raw_ops.IdentityN(input=[value, *op.inputs])
+    through = passed[0].op
+    function = tf_ops.get_gradient_function(op)
+
+    def gradient(unused_op: tf.Operation, gradient: tf.Tensor, *unused: tf.Tensor) -> list:
+        if function is None:
+            return [None] * len(through.inputs)
+        of_inputs = function(op, gradient)
+        of_inputs = list(of_inputs) if isinstance(of_inputs, (list, tuple)) else [of_inputs]
+        return [None, *of_inputs]
+
+    through._gradient_function = gradient
+    passed[0].set_shape(value.shape)
+    handle_data_util.copy_handle_data(value, passed[0])
+    return passed[0]
+
+
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
     """Give `target` the handle data of `source` (a resource's dtype and shape, which reading
     a variable through a pass-through needs)."""

@@ -88,4 +88,6 @@ def test_speed_cuts_the_skip_path_so_each_op_is_recomputed_once():
         plan = msg.plan(loss, weights, checkpoints="speed")
         assert not recomputed_repeatedly(view_of(loss, weights), plan.checkpoints)
         assert not in_several_steps(plan.schedule)
-        assert len(plan.checkpoints) > len(weights)
+        # The matmul outputs are kept (saved inside segments), and the skip path is cut.
+        assert {t.op.type for t in plan.saved} == {"MatMul"}
+        assert len(plan.checkpoints) + len(plan.saved) > len(weights)

@@ -68,7 +68,10 @@ class Order:
     Attributes:
       ops: the ops.
       held: bytes of each op's outputs that backprop holds (some gradient reads them).
-      compute: what recomputing each op costs (`costs.OpCost.compute`).
+      compute: what recomputing each op costs (`costs.OpCost.compute`); nothing for the ops
+        of tensors saved inside segments, which are not recomputed.
+      saved_before: bytes of the tensors saved inside segments made before each op: backprop
+        holds them, whatever the cuts, until it reaches the segment they are in.
       gradients: bytes of the xs' gradients made by the time backprop reaches each op (those
         of the xs read at or after it), where the view holds them to the end of the step;
         zeros where each is applied once complete.
@@ -84,6 +87,7 @@ class Order:
     held: np.ndarray
     compute: np.ndarray
     gradients: np.ndarray
+    saved_before: np.ndarray
     tensors: tuple[tf.Tensor, ...]
     made: np.ndarray
     last: np.ndarray
@@ -93,18 +97,28 @@ class Order:
     )
 
     @classmethod
-    def of(cls, view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> Order:
+    def of(
+        cls,
+        view: ForwardView,
+        cost: dict[tf.Operation, costs.OpCost],
+        saved: Sequence[tf.Tensor] = (),
+    ) -> Order:
+        """The order of `view`'s recomputable ops, keeping `saved` inside segments."""
+        saved_refs = {t.ref() for t in saved}
         ops = tuple(op for op in view.ops if op in view.recomputable)
         position = {op: i for i, op in enumerate(ops)}
         read = _read_by_gradients(view, cost)
         always_kept = {t.ref() for t in view.must_keep}
         ys = {y.ref() for y in view.ys}
         held = np.zeros(len(ops))
+        saved_bytes = np.zeros(len(ops))
         tensors, made, last, weight = [], [], [], []
         for i, op in enumerate(ops):
             for tensor, size in zip(op.outputs, cost[op].output_bytes, strict=True):
                 if tensor.ref() in always_kept:
                     continue
+                if tensor.ref() in saved_refs:
+                    saved_bytes[i] += size
                 kept = tensor.ref() in read
                 held[i] += size * kept
                 readers = [position[r] for r in view.consumers(tensor) if r in position]
@@ -113,12 +127,16 @@ class Order:
                     tensors.append(tensor)
                     made.append(i)
                     last.append(end)
-                    bytes_ = costs.tensor_bytes(tensor)
+                    bytes_ = 0 if tensor.ref() in saved_refs else costs.tensor_bytes(tensor)
                     weight.append(bytes_ if kept else bytes_ * (1 + tunables.TIE_BREAK))
-        compute = np.array([cost[op].compute for op in ops], dtype=float)
+        compute = np.array(
+            [0.0 if saved_bytes[i] else cost[op].compute for i, op in enumerate(ops)]
+        )
         gradients = _held_gradients(view, position) if view.gradients_held else np.zeros(len(ops))
+        saved_before = np.concatenate([[0.0], np.cumsum(saved_bytes)[:-1]])
         return cls(
-            ops, held, compute, gradients, tuple(tensors), np.array(made, dtype=int),
+            ops, held, compute, gradients, saved_before, tuple(tensors),
+            np.array(made, dtype=int),
             np.array(last, dtype=int), np.array(weight, dtype=float),
         )  # fmt: skip
 
@@ -145,6 +163,10 @@ class Order:
         np.add.at(delta, self.last[inside][keep] - start, -self.weight[inside][keep])
         return np.cumsum(delta)[: max(end - start - 1, 0)]
 
+    def held_before(self, start: int, end: int) -> np.ndarray:
+        """For each op of [start, end), the saved bytes backprop holds from before it."""
+        return self.saved_before[start:end] - (self.saved_before[start] if end > start else 0)
+
 
 def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple[Cuts, float]:
     """The one-level cuts of ops [start, end) with the smallest model peak, and that peak."""
@@ -155,7 +177,7 @@ def smallest_peak(order: Order, start: int = 0, end: int | None = None) -> tuple
     low, high = order.least_peak(start, end), order.segment_peak(start, end)
     for _ in range(tunables.BISECTION_STEPS if len(held) > 1 else 0):
         peak = (low + high) / 2
-        found = _cuts_within(held, gradients, cut_cost, peak)
+        found = _cuts_within(held, gradients, cut_cost, peak, order.held_before(start, end))
         if found is None:
             low = peak
         else:
@@ -226,7 +248,8 @@ def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None
     (larger top-level peaks leave larger segments to nest, and recompute more from there on)."""
     held, gradients = order.held[start:end], order.gradients[start:end]
     cut_cost = order.cut_costs(start, end)
-    flat = _cuts_within(held, gradients, cut_cost, peak, longest_last_segment=True)
+    before = order.held_before(start, end)
+    flat = _cuts_within(held, gradients, cut_cost, peak, before, longest_last_segment=True)
     if flat is not None or nesting == 0 or end - start < 3:
         if flat is None:
             return None, np.inf
@@ -235,7 +258,7 @@ def _search(order, peak, start, end, nesting, cheaper_than) -> tuple[Cuts | None
         return (cuts, work) if work < cheaper_than else (None, np.inf)
     best, work = None, np.inf
     for scale in tunables.NESTING_SCALES:
-        top = _cuts_within(held, gradients, cut_cost, scale * peak, last_peak=peak)
+        top = _cuts_within(held, gradients, cut_cost, scale * peak, before, last_peak=peak)
         if not top:
             continue
         plan = _nest(order, start, end, top, cut_cost, peak, nesting - 1, cheaper_than)
@@ -352,17 +375,20 @@ def _cuts_within(
     gradients: np.ndarray,
     cut_cost: np.ndarray,
     peak: float,
+    saved_before: np.ndarray | None = None,
     longest_last_segment: bool = False,
     last_peak: float | None = None,
 ) -> list[int] | None:
-    """The cheapest cuts for which every segment, with the cuts before it and the gradients
-    made so far, fits in `peak` (the last one in `last_peak`, if given), or None if no cuts
-    do; with `longest_last_segment`, the cheapest of those whose last segment starts earliest.
+    """The cheapest cuts for which every segment, with the cuts before it, the tensors saved
+    before it (`saved_before`, by op) and the gradients made so far, fits in `peak` (the last
+    one in `last_peak`, if given), or None if no cuts do; with `longest_last_segment`, the
+    cheapest of those whose last segment starts earliest.
 
     State s stands for "a segment starts at op s", reached with cuts costing `spent[s]` before
     it (state 0, the start of the pass, costs nothing). While backprop in the segment from s
     through op i reaches op k, it holds spent[s] + held[s..k] + gradients[k]; the segment fits
-    while that is within `peak` for every k in s..i. As i grows a state only ever stops
+    while that is within `peak` for every k in s..i (saved_before[s] is added to each: what
+    is saved before the segment stays). As i grows a state only ever stops
     fitting, so states leave a heap ordered by spent[s] - held[..s] once, and the cheapest
     fitting state comes from a second heap: O(n log n).
     """
@@ -372,7 +398,8 @@ def _cuts_within(
     held_before = np.concatenate([[0.0], np.cumsum(held)])
     # Plain floats and lists: the loop reads one element at a time, where numpy's are slow.
     limits = (peak - held_before[1:] - gradients).tolist()
-    slack_base = held_before.tolist()
+    before = np.zeros(n + 1) if saved_before is None else np.append(saved_before, 0.0)
+    slack_base = (held_before - before).tolist()
     costs_ = cut_cost.tolist()
     spent = [0.0] * n
     previous = [0] * n
@@ -402,7 +429,7 @@ def _cuts_within(
     starts_fitting = np.array(fits)
     if last_peak is not None:
         reached = np.maximum.accumulate((held_before[1:] + gradients)[::-1])[::-1]
-        starts_fitting &= np.array(spent) + reached - held_before[:n] <= last_peak
+        starts_fitting &= np.array(spent) + before[:n] + reached - held_before[:n] <= last_peak
         if not starts_fitting.any():
             return None
         state = (

@@ -16,7 +16,7 @@ import tensorflow as tf
 from memory_saving_gradients.analysis import costs, queries
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import simulation
-from memory_saving_gradients.planning.schedule import Schedule
+from memory_saving_gradients.planning.schedule import Schedule, Segment
 
 MIB = 2**20
 
@@ -28,6 +28,8 @@ class Plan:
       checkpoints: the tensors kept from the forward pass.
       nested: for nested recomputation, the tensors kept while the segment around them is
         recomputed, one tuple per level, outermost first; empty for one level.
+      saved: tensors kept inside segments (selective recomputation): their ops are not run
+        again, the cheap ops around them are; they cut nothing (`schedule`).
       strategy: what chose them.
       peak_bytes: the predicted activation peak of a step with this plan (bytes above what is
         resident before it: variables, inputs).
@@ -47,12 +49,14 @@ class Plan:
         levels: Sequence[Sequence[tf.Tensor]],
         strategy: str,
         plain_peak_bytes: int | None = None,
+        saved: Sequence[tf.Tensor] = (),
     ) -> None:
         self._view = view
         self.checkpoints: tuple[tf.Tensor, ...] = tuple(levels[0]) if levels else ()
         self.nested: tuple[tuple[tf.Tensor, ...], ...] = tuple(
             tuple(level) for level in levels[1:] if level
         )
+        self.saved: tuple[tf.Tensor, ...] = tuple(saved)
         self.strategy = strategy
         if plain_peak_bytes is not None:  # already simulated for this view
             self.__dict__["plain_peak_bytes"] = plain_peak_bytes
@@ -60,14 +64,14 @@ class Plan:
     @functools.cached_property
     def schedule(self) -> Schedule:
         """The schedule of backprop keeping `checkpoints`, with `nested` inside its steps."""
-        return Schedule.build(self._view, self.checkpoints, self.nested)
+        return Schedule.build(self._view, self.checkpoints, self.nested, self.saved)
 
     def schedule_on(self, view: ForwardView) -> Schedule:
         """The schedule of this plan on `view`, a view of the ys and xs it was made for (the
         xs perhaps in another order, for which gradients come in that order)."""
         if view is self._view:
             return self.schedule
-        return Schedule.build(view, self.checkpoints, self.nested)
+        return Schedule.build(view, self.checkpoints, self.nested, self.saved)
 
     @property
     def levels(self) -> tuple[tuple[tf.Tensor, ...], ...]:
@@ -143,8 +147,9 @@ class Plan:
 
     def __repr__(self) -> str:
         nested = f", nested {[len(level) for level in self.nested]}" if self.nested else ""
+        saved = f", {len(self.saved)} saved inside" if self.saved else ""
         return (
-            f"<Plan {self.strategy}: {len(self.checkpoints)} checkpoints{nested}, "
+            f"<Plan {self.strategy}: {len(self.checkpoints)} checkpoints{nested}{saved}, "
             f"peak {self.peak_bytes / MIB:.1f} MiB (plain {self.plain_peak_bytes / MIB:.1f})>"
         )
 
@@ -152,7 +157,12 @@ class Plan:
         plain, peak = self.plain_peak_bytes, self.peak_bytes
         lines = [
             f"Plan ({self.strategy}): keeps {_count(self.checkpoints)}"
-            + (f", and {sum(map(len, self.nested))} more nested" if self.nested else ""),
+            + (f", and {sum(map(len, self.nested))} more nested" if self.nested else "")
+            + (
+                f", and {len(self.schedule.saved)} inside segments, whose ops are not recomputed"
+                if self.schedule.saved
+                else ""
+            ),
             f"  predicted activation peak {peak / MIB:.1f} MiB with it, "
             f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
             f"  recomputes {self.recompute_flops_fraction:.2f} of the forward compute",
@@ -177,7 +187,7 @@ class Plan:
 
 def _runs_again(schedule: Schedule) -> bool:
     return any(
-        _run_again(schedule.view, step.segment.ops)
+        _run_again(schedule.view, step.segment)
         or (step.inner is not None and _runs_again(step.inner))
         for step in schedule.steps
     )
@@ -189,18 +199,20 @@ def _recomputed(schedule: Schedule, cost: dict[tf.Operation, costs.OpCost]) -> f
     segments again."""
     total = 0.0
     for step in schedule.steps:
-        total += sum(cost[op].compute for op in _run_again(schedule.view, step.segment.ops))
+        total += sum(cost[op].compute for op in _run_again(schedule.view, step.segment))
         if step.inner is not None:
             total += _recomputed(step.inner, cost)
     return total
 
 
-def _run_again(view: ForwardView, ops) -> list[tf.Operation]:
-    """The copies of `ops` that run: those with an output that their own gradient, the
-    gradient of another of `ops`, or another running copy reads. The executor prunes the
-    rest (the copy of a convolution making a boundary: its gradient reads only its inputs)."""
+def _run_again(view: ForwardView, segment: Segment) -> list[tf.Operation]:
+    """The copies of the segment's ops that run: those with an output that their own
+    gradient, the gradient of another of its ops, or another running copy reads. The
+    executor prunes the rest (the copy of a convolution making a boundary: its gradient reads
+    only its inputs); the ops of tensors saved inside it never run (they are read as saved)."""
     running: set[tf.Operation] = set()
-    for op in sorted(ops, key=view.position.__getitem__, reverse=True):
+    ops = segment.ops
+    for op in sorted(segment.rerun, key=view.position.__getitem__, reverse=True):
         read = bool(view.costs[op].saved_outputs) or any(
             reader in running
             or (reader in ops and index in view.costs[reader].saved_inputs and input_ is tensor)

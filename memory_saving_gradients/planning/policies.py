@@ -30,9 +30,9 @@ import tensorflow as tf
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.planning import search, simulation
+from memory_saving_gradients.planning import search, simulation, tunables
 from memory_saving_gradients.planning.plans import Plan
-from memory_saving_gradients.planning.schedule import recomputed_repeatedly
+from memory_saving_gradients.planning.schedule import recomputed_repeatedly, saveable
 
 if TYPE_CHECKING:  # the API's type, which names `Strategy`
     from memory_saving_gradients.api import CheckpointsArg
@@ -80,13 +80,21 @@ def collection(view: ForwardView, label: str) -> Plan:
 
 
 def speed(view: ForwardView, label: str) -> Plan:
-    """Outputs of matmuls and convolutions, and of function calls (nested `tf.function`s,
-    control flow) that run one: only cheap ops are recomputed, each once.
+    """Outputs of matmuls and convolutions, saved inside segments or kept as checkpoints:
+    only cheap ops are recomputed, each once. Of two such plans, the one with the smaller
+    predicted peak:
 
-    Where a path escapes them (the skip path of a residual network), every segment behind it
-    would recompute it again, so the last ops of such paths are kept too.
+    - the outputs of matmuls and convolutions saved inside segments (selective
+      recomputation), with one level of cuts, the one with the least predicted peak,
+      deciding which cheap ops are recomputed together;
+    - the outputs of matmuls, convolutions and function calls running one kept as
+      checkpoints, and where a path escapes them (the skip path of a residual network),
+      the last ops of that path too, since every segment behind it would recompute it.
+
+    The first saves more where normalisations and activations hold most of the memory (conv
+    nets), and is tried only where every expensive output can be saved inside a segment.
     """
-    kept = _usable(
+    expensive = _usable(
         view,
         [
             out
@@ -95,6 +103,9 @@ def speed(view: ForwardView, label: str) -> Plan:
             for out in op.outputs
         ],
     )
+    if not expensive:
+        raise _nothing_kept(label, _SPEED_ADVICE)
+    kept = expensive
     while repeated := recomputed_repeatedly(view, kept):
         ends = [
             out
@@ -103,9 +114,41 @@ def speed(view: ForwardView, label: str) -> Plan:
             if any(reader not in repeated for reader in view.consumers(out))
         ]
         kept = list({t.ref(): t for t in (*kept, *ends)}.values())
-    if not kept:
-        raise _nothing_kept(label, _SPEED_ADVICE)
-    return Plan(view, [kept], label)
+    plans = [Plan(view, [kept], label)]
+    if all(saveable(view, t) for t in expensive):  # else some would be recomputed
+        selective = search.least_peak_saving(view, expensive, label)
+        if selective.checkpoints:  # cuts of a chain's matmuls and tanhs save nothing
+            plans.append(selective)
+    return min(plans, key=lambda plan: (plan.peak_bytes, plan.recompute_flops_fraction))
+
+
+def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
+    """Sets of tensors a budget's plans may save inside segments: the outputs of matmuls and
+    convolutions (JAX's `dots_saveable`), and the saveable tensors that cost the most compute
+    to remake per byte kept (measured seconds, or FLOPs) up to ever larger shares of their
+    bytes (`tunables.SAVED_SHARES`): with measured costs, the normalisations and activations
+    that take a CPU longer than the convolutions beside them."""
+    candidates = [
+        op.outputs[0]
+        for op in view.ops
+        if op.outputs
+        and saveable(view, op.outputs[0])
+        and any(r in view.recomputable for r in view.consumers(op.outputs[0]))
+        and view.bytes(op.outputs[0])
+    ]
+    sets = [[t for t in candidates if _is_expensive(t.op)]]
+    by_density = sorted(candidates, key=lambda t: -view.costs[t.op].compute / view.bytes(t))
+    total = sum(view.bytes(t) for t in candidates)
+    for share in tunables.SAVED_SHARES:
+        chosen, size = [], 0
+        for t in by_density:
+            if size + view.bytes(t) > share * total:
+                break
+            chosen.append(t)
+            size += view.bytes(t)
+        if chosen and all({t.ref() for t in chosen} != {u.ref() for u in s} for s in sets):
+            sets.append(chosen)
+    return [s for s in sets if s]
 
 
 def _is_expensive(op: tf.Operation) -> bool:
@@ -132,7 +175,9 @@ def balanced(view: ForwardView, label: str) -> Plan:
     the forward pass that fits is not recomputed at all)."""
     plain = simulation.plain_peak(view)
     least = search.one_level_least_peak(view, plain)
-    return search.within_budget(view, least + (plain - least) / 3, plain, label)
+    return search.within_budget(
+        view, least + (plain - least) / 3, plain, label, saveable=_saveable_sets(view)
+    )
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -212,7 +257,14 @@ class MemoryBudget:
         else:
             assert self.fraction is not None  # __post_init__ checks that one is given
             budget = self.fraction * plain
-        return search.within_budget(view, budget, plain, repr(self), search.budget_headroom(view))
+        return search.within_budget(
+            view,
+            budget,
+            plain,
+            repr(self),
+            search.budget_headroom(view),
+            saveable=_saveable_sets(view),
+        )
 
 
 def plan_for(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:

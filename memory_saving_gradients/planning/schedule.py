@@ -9,6 +9,11 @@ other, so their recomputed tensors are never alive at once. With nested recomput
 whose segment holds checkpoints of the next level carries the schedule of that segment,
 recomputed from its frontier keeping only those: a tree.
 
+Tensors `saved` inside segments (selective recomputation, as JAX's saveable policies) are kept
+from the forward pass too, but cut nothing: the ops behind them stay in their segment, whose
+recomputation reads them instead of running their ops again, and whose gradient call goes on
+through them (a convolution's output kept, the batch norm and ReLU after it recomputed).
+
 That tree is built once per plan, and the simulator (`simulation`), the plan's report and the
 rewrite all walk it, so what is predicted is what runs. Building it walks each segment once.
 Which ops a checkpoint list would recompute in several steps (`recomputed_repeatedly`, what
@@ -42,6 +47,7 @@ class Segment:
     originals: frozenset[tf.Operation]
     frontier: tuple[tf.Tensor, ...]
     xs: tuple[tf.Tensor, ...]
+    saved: tuple[tf.Tensor, ...] = ()
 
     @classmethod
     def behind(
@@ -49,13 +55,18 @@ class Segment:
         seeds: Iterable[tf.Operation],
         view: ForwardView,
         is_boundary: Callable[[tf.Tensor], bool],
+        saved: dict[object, tf.Tensor] | None = None,
     ) -> Segment:
+        """The segment behind `seeds`; of its ops, those making `saved` tensors (by ref)
+        that other ops of it read are not run again (`Segment.saved`, `Segment.rerun`)."""
         reached = queries.backward_ops(seeds, within=view.position, stop_at=is_boundary)
-        inputs = [t for op in sorted(reached, key=view.order) for t in op.inputs]
+        ordered = sorted(reached, key=view.order)
+        inputs = [t for op in ordered for t in op.inputs]
         frontier = _unique(t for t in inputs if is_boundary(t))
         read_xs = _unique(t for t in inputs if view.is_x(t) and not is_boundary(t))
         recomputed = reached & view.recomputable
-        return cls(frozenset(recomputed), frozenset(reached - recomputed), frontier, read_xs)
+        kept = _unique(t for t in inputs if saved and t.ref() in saved and t.op in recomputed)
+        return cls(frozenset(recomputed), frozenset(reached - recomputed), frontier, read_xs, kept)
 
     @classmethod
     def union(cls, segments: Sequence[Segment]) -> Segment:
@@ -64,7 +75,14 @@ class Segment:
             frozenset().union(*(s.originals for s in segments)),
             _unique(t for s in segments for t in s.frontier),
             _unique(t for s in segments for t in s.xs),
+            _unique(t for s in segments for t in s.saved),
         )
+
+    @property
+    def rerun(self) -> frozenset[tf.Operation]:
+        """The ops recomputation runs again: `ops` but those making `saved` tensors, which
+        are copied only for their gradient function (it reads their inputs' copies)."""
+        return self.ops - {t.op for t in self.saved}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +111,7 @@ class Schedule:
     Attributes:
       view: the forward graph scheduled (for a nested schedule, its segment's).
       checkpoints: the checkpoints it keeps (the further levels are in its steps' `inner`).
+      saved: tensors kept inside segments, read by their recomputation (by `ref()`).
       boundaries: the boundary tensors by `ref()`.
       last: the segment behind the ys, differentiated on the forward pass's own ops.
       segments: the segment behind each boundary op.
@@ -106,6 +125,7 @@ class Schedule:
     last: Segment
     segments: dict[tf.Operation, Segment]
     steps: tuple[Step, ...]
+    saved: dict[object, tf.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(
@@ -113,17 +133,22 @@ class Schedule:
         view: ForwardView,
         checkpoints: Sequence[tf.Tensor],
         nested: Sequence[Sequence[tf.Tensor]] = (),
+        saved: Sequence[tf.Tensor] = (),
     ) -> Schedule:
         """The schedule of backprop keeping `checkpoints`, and inside each step whose segment
         holds checkpoints of `nested[0]`, only those while it is recomputed (and so on for
-        each further level of `nested`)."""
+        each further level of `nested`); `saved` tensors are kept inside segments (one level
+        only: a nested recomputation would have to read them through its outer step)."""
+        if saved and nested:
+            raise ValueError("Tensors saved inside segments need a plan of one level.")
         boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
+        kept = {t.ref(): t for t in saved if t.ref() not in boundaries and saveable(view, t)}
 
         def is_boundary(tensor: tf.Tensor) -> bool:
             return tensor.ref() in boundaries
 
         segments = {
-            op: Segment.behind([op], view, is_boundary)
+            op: Segment.behind([op], view, is_boundary, kept)
             for op in _unique_ops(t.op for t in boundaries.values())
         }
         dependencies = {op: {t.op for t in s.frontier} for op, s in segments.items()}
@@ -133,10 +158,18 @@ class Schedule:
             for group in _independent_groups(level, segments, view.order)
         ]
         last = Segment.behind([y.op for y in view.ys], view, is_boundary)
-        return cls(view, tuple(checkpoints), boundaries, last, segments, tuple(steps))
+        return cls(view, tuple(checkpoints), boundaries, last, segments, tuple(steps), kept)
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
+
+
+def saveable(view: ForwardView, tensor: tf.Tensor) -> bool:
+    """Whether `tensor` can be saved inside a segment: the one output of a recomputable op
+    whose gradient reads only its inputs, so that the op's copy, made for that gradient, never
+    runs. Other tensors given as saved are recomputed as usual."""
+    op = tensor.op
+    return op in view.recomputable and len(op.outputs) == 1 and not view.costs[op].saved_outputs
 
 
 def _step(

@@ -10,7 +10,10 @@ that fits is kept. Every knob of this search, and of the cut search's, is in `tu
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TypeGuard
+
+import tensorflow as tf
 
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import cut_search, simulation, tunables
@@ -53,19 +56,52 @@ def budget_headroom(view: ForwardView) -> int:
 
 
 def within_budget(
-    view: ForwardView, budget: float, plain: int, label: str, headroom: int = 0
+    view: ForwardView,
+    budget: float,
+    plain: int,
+    label: str,
+    headroom: int = 0,
+    saveable: Sequence[Sequence[tf.Tensor]] = (),
 ) -> Plan:
     """The plan recomputing least whose predicted peak is within `budget` bytes, less
     `headroom`; where none is, the one with the smallest predicted peak (logged unless it is
     within `budget`). `plain` is plain backprop's predicted peak, `label` what the plan is
     called.
 
+    Each of `saveable` is a set of tensors that plans may keep inside their segments
+    (selective recomputation: one level of cuts, the ops of those tensors never recomputed);
+    of the plans that fit, with each set and with none, the one recomputing least wins.
+    """
+    first = _within_budget(view, budget, plain, label, headroom)
+    assert first is not None  # plans saving nothing always give one
+    plans = [first]
+    for saved in saveable:
+        if saved and (plan := _within_budget(view, budget, plain, label, headroom, saved)):
+            plans.append(plan)
+    fitting = [plan for plan in plans if plan.peak_bytes <= budget - headroom]
+    if not fitting:
+        return first
+    return min(fitting, key=lambda plan: (plan.recompute_flops_fraction, plan.peak_bytes))
+
+
+def _within_budget(
+    view: ForwardView,
+    budget: float,
+    plain: int,
+    label: str,
+    headroom: int,
+    saved: Sequence[tf.Tensor] = (),
+) -> Plan | None:
+    """`within_budget` for one set of `saved` tensors (None where one level with them does
+    not fit; plans saving nothing nest where one level does not fit, and end in the plan with
+    the smallest predicted peak, logged where it does not fit).
+
     Where one level of cuts reaches the budget, the largest model peak whose plan fits is
     bisected between one level's least and the budget scaled to the model; below, nested
     plans are tried for model peaks tightened until one fits, and then the plan with the
     smallest predicted peak, which may still fit.
     """
-    order = cut_search.Order.of(view, view.costs)
+    order = cut_search.Order.of(view, view.costs, saved)
     if budget >= plain or not len(order.ops):
         return Plan(view, [()], label, plain)
 
@@ -74,7 +110,7 @@ def within_budget(
         return (
             None
             if cuts is None
-            else Plan(view, cut_search.checkpoints_of(order, cuts), label, plain)
+            else Plan(view, cut_search.checkpoints_of(order, cuts), label, plain, saved)
         )
 
     usable = budget - headroom
@@ -83,7 +119,7 @@ def within_budget(
         return plan is not None and plan.peak_bytes <= usable
 
     flat, flat_peak = cut_search.smallest_peak(order)
-    least = Plan(view, cut_search.checkpoints_of(order, flat), label, plain)
+    least = Plan(view, cut_search.checkpoints_of(order, flat), label, plain, saved)
     target = usable * order.segment_peak() / plain if plain else usable
     if fits(least):
         if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
@@ -96,6 +132,8 @@ def within_budget(
             else:
                 high = middle
         return fitting
+    if saved:
+        return None
     for _ in range(tunables.BUDGET_BISECTIONS):
         plan = plan_for(target, nesting=tunables.MAX_NESTING)
         if plan is None:
@@ -112,6 +150,23 @@ def within_budget(
         label, budget / MIB, smallest.peak_bytes / MIB, smallest.peak_bytes / plain, plain / MIB,
     )  # fmt: skip
     return smallest
+
+
+def least_peak_saving(view: ForwardView, saved: Sequence[tf.Tensor], label: str) -> Plan:
+    """Of one level's cuts keeping `saved` inside segments, for its least model peak and a
+    few larger ones (`tunables.ONE_LEVEL_SCALES`), the plan with the least predicted peak:
+    only the ops of tensors not saved are recomputed."""
+    order = cut_search.Order.of(view, view.costs, saved)
+    plain = simulation.plain_peak(view)
+    flat, high = cut_search.smallest_peak(order)
+    found = {flat: None}
+    for scale in tunables.ONE_LEVEL_SCALES:
+        if (cuts := cut_search.within(order, scale * high, nesting=0)) is not None:
+            found[cuts] = None
+    plans = [
+        Plan(view, cut_search.checkpoints_of(order, cuts), label, plain, saved) for cuts in found
+    ]
+    return min(plans, key=lambda plan: plan.peak_bytes)
 
 
 def _least_peak_candidates(

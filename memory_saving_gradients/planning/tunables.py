@@ -31,3 +31,9 @@ ONE_LEVEL_SCALES = (1.1, 1.25, 1.5)
 #: 'memory' takes the plan recomputing least among those whose predicted peak is within this
 #: fraction of the least: a level of nesting costs about one more forward pass.
 NESTING_GAIN = 0.03
+
+# Selective recomputation (`policies`: what budgets may save inside segments).
+
+#: Shares of the saveable tensors' bytes that budgets try to save, densest compute per byte
+#: first: each share is one more set of plans to search, the plan recomputing least winning.
+SAVED_SHARES = (0.25, 0.5, 0.75)

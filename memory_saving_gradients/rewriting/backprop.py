@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -298,15 +299,21 @@ def _run(
                 else Segment.union([schedule.segments[op] for op in reached_ops])
             )
             read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
-            gated_reads, incoming = backprop.step_inputs(reached, read, f"{scope}step_{depth}/")
-            gated = {t.ref(): gate for t, gate in zip(read, gated_reads, strict=True)}
-            for t, gate in zip(read, gated_reads, strict=True):
+            gated_reads, incoming = backprop.step_inputs(
+                reached, [*read, *segment.saved], f"{scope}step_{depth}/"
+            )
+            gated = {t.ref(): gate for t, gate in zip(read, gated_reads[: len(read)], strict=True)}
+            for t, gate in zip([*read, *segment.saved], gated_reads, strict=True):
                 backprop.passed.setdefault(t.ref(), []).append(gate)
+            saved = {
+                t.op: gate for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
+            }
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
                 f"{scope}recompute_{depth}/",
                 gated,
                 values.copies,
+                stand_in=functools.partial(_saved_in, saved),
             )
             targets = _targets(segment, gated, values)
             if step.inner is not None:
@@ -403,6 +410,25 @@ def colocated(op: tf.Operation, colocate: bool):
     return (
         op.graph.colocate_with(op, ignore_existing=True) if colocate else contextlib.nullcontext()
     )
+
+
+# NOTE [saved inside segments]: a tensor saved inside a segment is read from the forward pass
+# (through the step's gate) by the copies of its readers, and its op is copied only for the
+# gradient function, which reads that copy's inputs (recomputed) and never its output (only
+# such ops are saved: `schedule.saveable`). The readers read it through a pass-through that
+# is differentiated as that copy, so the step's one gradient call goes on through it into the
+# recomputed ops behind, and the copy itself, whose output nothing reads, never runs.
+def _saved_in(
+    gates_of: dict[tf.Operation, tf.Tensor], op: tf.Operation, copy: tf.Operation
+) -> tf.Tensor | None:
+    """What the copies reading `copy`'s output read instead where `op` makes a saved tensor:
+    its gate (in `gates_of`, by op), differentiated as `copy` (NOTE [saved inside
+    segments]); None where `op`'s output is not saved."""
+    gate = gates_of.get(op)
+    if gate is None:
+        return None
+    with _tf.outside_caller_scopes(copy.graph), gates.placed_like(copy.outputs[0]):
+        return _tf.differentiated_as(gate, copy)
 
 
 def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:

@@ -6,7 +6,7 @@ new ops of the same graph; nothing existing is modified.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -18,6 +18,7 @@ def copy_ops(
     scope: str,
     replacements: Mapping[object, tf.Tensor] | None = None,
     earlier: Mapping[tf.Operation, tf.Operation] | None = None,
+    stand_in: Callable[[tf.Operation, tf.Operation], tf.Tensor | None] | None = None,
 ) -> dict[tf.Operation, tf.Operation]:
     """Copy `ops`, given in topological order, and return a map from each op to its copy.
 
@@ -26,23 +27,33 @@ def copy_ops(
     `earlier` copy of its producer (copies of copies are made from the originals), else the
     original input; control inputs are mapped like producers. Each copy keeps its original's type,
     attributes, device, colocation and static shapes, and is named `scope + original name`
-    (made unique).
+    (made unique). Where `stand_in(op, copy)` gives a tensor, the copies made after it read
+    that tensor instead of the copy's (one) output.
     """
     replacements = replacements or {}
     earlier = earlier or {}
     copies: dict[tf.Operation, tf.Operation] = {}
+    stood_in: dict[object, tf.Tensor] = {}
 
     def latest(op: tf.Operation) -> tf.Operation:
         return copies.get(op) or earlier.get(op, op)
 
     for op in ops:
         inputs = [
-            replacements[t.ref()]
+            stood_in[t.ref()]
+            if t.ref() in stood_in
+            else replacements[t.ref()]
             if t.op not in copies and t.ref() in replacements
             else latest(t.op).outputs[t.value_index]
             for t in op.inputs
         ]
         copy = _tf.copy_op(op, inputs, name=scope + op.name)
-        _tf.add_control_inputs(copy, (latest(c) for c in op.control_inputs))
+        _tf.add_control_inputs(
+            copy,
+            (stood_in[c.outputs[0].ref()].op if c.outputs and c.outputs[0].ref() in stood_in
+             else latest(c) for c in op.control_inputs),
+        )  # fmt: skip
         copies[op] = copy
+        if stand_in is not None and (tensor := stand_in(op, copy)) is not None:
+            stood_in[op.outputs[0].ref()] = tensor
     return copies

@@ -39,7 +39,7 @@ def checkpointed_peak(schedule: Schedule) -> int:
     uses = _add(run.uses(last), run.tensor_ids(view.ys))
     for step in schedule.steps:
         _add(uses, run.uses(run.positions(step.segment.originals)))
-        _add(uses, run.tensor_ids(step.segment.frontier))
+        _add(uses, run.tensor_ids(_read_from_before(step.segment)))
     run.forward(list(range(len(view.ops))), (ORIGINAL,), uses)
     run.seed()
     run.differentiate(last, (ORIGINAL,))
@@ -49,7 +49,7 @@ def checkpointed_peak(schedule: Schedule) -> int:
 
 def _steps(run: Simulator, steps: Sequence[Step], outer: tuple[int, ...]) -> None:
     """Simulate `steps`, whose boundaries live at the levels of `outer`."""
-    frontiers = [run.tensor_ids(step.segment.frontier) for step in steps]
+    frontiers = [run.tensor_ids(_read_from_before(step.segment)) for step in steps]
     last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
     for j, (step, frontier) in enumerate(zip(steps, frontiers, strict=True)):
         chain = (run.ledger.new_level(), *outer)
@@ -58,10 +58,11 @@ def _steps(run: Simulator, steps: Sequence[Step], outer: tuple[int, ...]) -> Non
         if step.inner is not None:
             _nested_step(run, step, step.inner, chain, frontier, inherited)
         else:
-            recomputed = run.positions(segment.ops)
-            released = inherited | run.gate_copies(frontier, recomputed, chain, inherited)
-            run.forward(recomputed, chain, run.uses(recomputed), released)
-            run.differentiate(_ops_of(run, segment), chain, recomputed, released)
+            copied = run.positions(segment.ops)
+            rerun = run.positions(segment.rerun)
+            released = inherited | run.gate_copies(frontier, rerun, chain, inherited)
+            run.forward(rerun, chain, run.uses(copied), released)
+            run.differentiate(_ops_of(run, segment), chain, copied, released)
         for t in frontier:
             if t not in inherited:
                 run.ledger.release(run.ledger.buffer(t, outer))
@@ -93,6 +94,12 @@ def _nested_step(
     run.forward(recomputed, chain, uses, released)
     run.differentiate(last, chain, recomputed, released)
     _steps(run, steps, chain)
+
+
+def _read_from_before(segment: Segment) -> tuple:
+    """What a step's recomputation reads from before it: the segment's frontier and the
+    tensors saved inside it."""
+    return (*segment.frontier, *segment.saved)
 
 
 def _ops_of(run: Simulator, segment: Segment) -> list[int]:
