@@ -229,7 +229,13 @@ def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:
     """Say why plain gradients are computed for `plan` (None: the strategy found nothing to
     keep): a warning where the user chose checkpoints that predict no saving, as that choice
     is then not followed."""
-    if plan is None or not plan.checkpoints:
+    if plan is not None and plan.saved and not plan.checkpoints:
+        logger.warning(
+            "%s saves %d tensors inside segments but keeps no checkpoint to make segments: "
+            "nothing is recomputed, so plain gradients are computed.",
+            plan.strategy, len(plan.saved),
+        )  # fmt: skip
+    elif plan is None or not plan.checkpoints:
         logger.info("No checkpoints chosen: computing plain gradients.")
     elif not plan.recomputes:
         logger.info("%s recomputes nothing: computing plain gradients.", plan.strategy)

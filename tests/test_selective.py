@@ -1,0 +1,168 @@
+"""Selective recomputation: tensors saved inside segments (`Plan.saved`) are read from the
+forward pass, their ops never run again, and gradients flow on through them within the step.
+
+The workload is a residual chain `h = h + sin(matmul(h, w))` of 1 MiB activations: plain
+backprop holds each block's input (the matmul's gradient reads it) and its matmul output (the
+sine's gradient reads it). Keeping the matmul outputs as checkpoints saves nothing there,
+since the skip path is uncut (every `h` must be kept too); saving them inside segments of a
+few blocks, with the sines and adds recomputed, needs about half of plain's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.planning import cut_search
+from memory_saving_gradients.profiling import peak_memory
+from tests.helpers import assert_same_gradients, original_of, recomputed_copies
+from tests.test_zoo import assert_close_to_scale, built, reference, run
+
+tf1 = tf.compat.v1
+BATCH, WIDTH, BLOCKS = 1024, 256, 12
+MIB = 2**20
+
+
+def residual_sine_chain(x: tf.Tensor, weights: list) -> tf.Tensor:
+    h = x
+    for w in weights:
+        h = h + tf.sin(tf.matmul(h, w))
+    return tf.reduce_sum(h)
+
+
+def weights_of(blocks: int = BLOCKS) -> list[tf.Variable]:
+    rng = np.random.default_rng(0)
+    return [
+        tf.Variable(rng.normal(0, WIDTH**-0.5, (WIDTH, WIDTH)).astype("f4"), name=f"w{i}")
+        for i in range(blocks)
+    ]
+
+
+def batch() -> np.ndarray:
+    return np.random.default_rng(1).normal(size=(BATCH, WIDTH)).astype("f4")
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "recomputed"), [("speed", 0.01), (msg.MemoryBudget(0.7), 0.1)], ids=repr
+)
+def test_plans_save_the_matmul_outputs_inside_segments(checkpoints, recomputed):
+    """'speed' and a budget choose selective plans here: matmul outputs saved, only sines
+    and adds recomputed ('speed': all 12 matmuls, 0.003 of the forward FLOPs; the budget
+    saves 9, recomputing 0.09, where the best plan saving nothing recomputes 0.42)."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
+        weights = weights_of()
+        loss = residual_sine_chain(x, weights)
+        plan = msg.plan(loss, weights, checkpoints=checkpoints)
+    assert {t.op.type for t in plan.saved} == {"MatMul"}
+    assert plan.checkpoints and plan.pays
+    assert 0 < plan.recompute_flops_fraction < recomputed
+    assert plan.peak_bytes < 0.7 * plan.plain_peak_bytes
+    assert "inside segments, whose ops are not recomputed" in str(plan).splitlines()[0]
+
+
+def test_saved_ops_are_never_run_again_and_gradients_equal_tf_gradients():
+    """The copies of the saved matmuls are made for their gradient function only: nothing
+    reads their outputs, so the executor never runs them."""
+    weights = weights_of()
+
+    @tf.function
+    def step(x):
+        loss = residual_sine_chain(x, weights)
+        got = msg.gradients(loss, weights, checkpoints="speed")
+        copies = recomputed_copies(tf1.get_default_graph())
+        matmul_copies = [c for c in copies if original_of(c).type == "MatMul"]
+        assert matmul_copies, "the saved matmuls' gradients need their copies"
+        assert all(not c.outputs[0].consumers() for c in matmul_copies)
+        assert any(original_of(c).type == "Sin" for c in copies)
+        return tf.gradients(loss, weights), got
+
+    want, got = step(tf.constant(batch()))
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+
+
+def measured_peak(checkpoints) -> float:
+    """Bytes above resident of one SGD step in a fresh Session with one inter-op thread, the
+    least of three runs."""
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
+        weights = weights_of()
+        loss = residual_sine_chain(x, weights)
+        if checkpoints is None:
+            grads, predicted = tf1.gradients(loss, weights), None
+        else:
+            predicted = msg.plan(loss, weights, checkpoints=checkpoints).peak_bytes
+            grads = msg.gradients(loss, weights, checkpoints=checkpoints)
+        train = tf.group(*(w.assign_sub(0.01 * g) for w, g in zip(weights, grads, strict=True)))
+        init = tf1.global_variables_initializer()
+    config = tf1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
+    with tf1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        feed = {x: batch()}
+        session.run(train, feed)
+        peak = min(peak_memory(lambda: session.run(train, feed), warmup=0) for _ in range(3))
+    return peak, predicted
+
+
+def test_saving_inside_segments_halves_memory_as_predicted():
+    plain, _ = measured_peak(None)
+    selective, predicted = measured_peak("speed")
+    matmul_checkpoints, _ = measured_peak(
+        lambda view: [op.outputs[0] for op in view.ops if op.type == "MatMul"]
+    )
+    assert plain >= BLOCKS * 2 * MIB  # each block's input and matmul output
+    assert matmul_checkpoints > 0.9 * plain  # the uncut skip path keeps every h
+    assert selective < 0.7 * plain
+    assert abs(selective - predicted) <= max(0.15 * predicted, 2 * MIB), (selective, predicted)
+
+
+def test_a_selective_plan_that_saves_nothing_falls_back_to_plain(caplog):
+    """Saving inside segments with no cuts recomputes nothing: the plan is not followed."""
+
+    def save_without_cuts(view):
+        saved = [op.outputs[0] for op in view.ops if op.type == "MatMul"]
+        return msg.Plan(view, [()], "saving", saved=saved)
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
+        weights = weights_of(3)
+        loss = residual_sine_chain(x, weights)
+        plan = msg.plan(loss, weights, checkpoints=save_without_cuts)
+        assert plan.saved and not plan.pays
+        with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+            grads = msg.gradients(loss, weights, checkpoints=save_without_cuts)
+        assert not recomputed_copies(tf1.get_default_graph())
+    assert len(grads) == 3
+    assert "saving" in caplog.text, caplog.text
+
+
+def test_the_cut_search_counts_what_is_saved_before_each_segment():
+    """Four ops holding a byte each fit a peak of 3 in two segments, the cut costing 1;
+    bytes saved before the second segment (5) stay held there, so that no longer fits."""
+    held, gradients, cut_cost = np.ones(4), np.zeros(4), np.ones(3)
+    assert cut_search._cuts_within(held, gradients, cut_cost, 3.0) == [1]
+    saved_before = np.array([0.0, 0.0, 5.0, 5.0])
+    assert cut_search._cuts_within(held, gradients, cut_cost, 3.0, saved_before) is None
+    assert cut_search._cuts_within(held, gradients, cut_cost, 3.0, np.zeros(4)) == [1]
+
+
+@pytest.mark.parametrize("name", ["resnet", "densenet", "mobilenet_v2", "inception", "unet"])
+def test_zoo_selective_plans_give_tf_gradients(name):
+    """Every matmul and convolution output saved inside the segments of the least-peak cuts,
+    on the zoo's convolutional networks (batch norm, depthwise convolutions, concatenations)."""
+    from memory_saving_gradients.planning import policies, search
+
+    def selective(view):
+        saved = [t for s in policies._saveable_sets(view)[:1] for t in s]
+        assert saved, "no convolution output can be saved"
+        return search.least_peak_saving(view, saved, "selective")
+
+    model = built(name)
+    result = run(model, selective)
+    want = result["reference"] if model.one_function else reference(name)
+    assert (result["recomputed"] > 0) == result["pays"], result
+    assert_close_to_scale(want, result["got"])
