@@ -1,0 +1,196 @@
+"""The memory/time frontier of Keras `fit`: strategies and budgets, predicted and measured.
+
+For one model (the residual CNN of `keras_resnet.py`, or any `keras.applications` name built
+with weights=None), plain `fit` is compared with each method given: strategies and
+`MemoryBudget`s, planned from the static cost model or, with `--measure`, from the first step
+measured (`msg.keras.enable(..., measure=True)`). One training step is `train_on_batch` (SGD
+with momentum). For each method it prints the activation peak (the allocator's peak above
+what was resident before the step; the largest of --steps steps after the warm-up, in the
+smallest of --memory-repeats fresh models), its ratio to plain's, the ratio the plan predicted,
+and the step time as a ratio to plain's (medians of interleaved steps). It writes
+results/fit_frontier_<model>.csv and .png (time ratio against memory ratio).
+
+    python benchmarks/fit_frontier.py                          # residual CNN, 56 blocks
+    python benchmarks/fit_frontier.py --model ResNet50 --size 96 --batch 16 --measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras_resnet import build_model
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.profiling import interleaved_step_times
+
+tf.get_logger().setLevel("ERROR")
+
+MiB = 2**20
+PREDICTED = re.compile(r"predicted activation peak ([\d.]+) MiB, ([\d.]+) MiB without")
+PREDICTED_TIME = re.compile(r"predicted step time ([\d.]+)x plain")
+
+
+class Predictions(logging.Handler):
+    """The last predicted peak ratio and step-time ratio the library logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.ratio: float | None = None
+        self.time_ratio: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if found := PREDICTED.search(text):
+            self.ratio = float(found[1]) / float(found[2])
+        if found := PREDICTED_TIME.search(text):
+            self.time_ratio = float(found[1])
+
+
+def train_step(args: argparse.Namespace, checkpoints: object | None):
+    """`train_on_batch` of a fresh model, plain when `checkpoints` is None."""
+    keras.utils.set_random_seed(0)
+    model = build_model(args)
+    if checkpoints is not None:
+        msg.keras.enable(model, checkpoints=checkpoints, measure=args.measure)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.standard_normal((args.batch, args.size, args.size, 3)).astype("f4"))
+    y = tf.constant(rng.integers(0, 10, args.batch))
+    return lambda: model.train_on_batch(x, y)
+
+
+def worst_peak(step, steps: int) -> float:
+    """The largest activation peak of `steps` steps after a warm-up (which plans)."""
+    step()
+    peaks = []
+    for _ in range(steps):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        step()
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
+    return max(peaks) / MiB
+
+
+def method_of(name: str) -> object:
+    """A strategy name, or a budget written as a fraction (0.5)."""
+    try:
+        return msg.MemoryBudget(float(name))
+    except ValueError:
+        return name
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="residual")
+    parser.add_argument("--blocks", type=int, default=56)
+    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--methods", nargs="+", default=["speed", "balanced", "0.5", "0.4", "memory"]
+    )
+    parser.add_argument("--measure", action="store_true", help="plan from the first step")
+    parser.add_argument("--memory-repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per model")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args(argv)
+    keras.mixed_precision.set_global_policy(args.dtype)
+    predictions = Predictions()
+    library = logging.getLogger("memory_saving_gradients")
+    library.addHandler(predictions)
+    library.setLevel(logging.INFO)
+    library.propagate = False
+
+    methods = {"plain": None, **{name: method_of(name) for name in args.methods}}
+    print(
+        f"Keras fit, {args.model} {args.size}x{args.size} batch {args.batch} {args.dtype}, "
+        f"costs {'measured' if args.measure else 'static'}",
+        flush=True,
+    )
+    peaks: dict[str, float] = {}
+    predicted: dict[str, tuple[float | None, float | None]] = {}
+    steps = {}
+    for name, checkpoints in methods.items():
+        for _ in range(args.memory_repeats):
+            predictions.ratio = predictions.time_ratio = None
+            steps[name] = train_step(args, checkpoints)
+            peak = worst_peak(steps[name], args.steps)
+            peaks[name] = min(peaks.get(name, peak), peak)
+        predicted[name] = (predictions.ratio, predictions.time_ratio)
+        print(f"  {name}: {peaks[name]:.1f} MiB", flush=True)
+    times = interleaved_step_times(steps, args.repeats)
+    median = {name: float(np.median(values)) for name, values in times.items()}
+    rows = []
+    for name in methods:
+        ratio, time_ratio = predicted[name] if name != "plain" else (1.0, 1.0)
+        rows.append(
+            {
+                "method": name,
+                "activation_mib": round(peaks[name], 1),
+                "memory_ratio": round(peaks[name] / peaks["plain"], 3),
+                "predicted_ratio": None if ratio is None else round(ratio, 3),
+                "time_ratio": round(median[name] / median["plain"], 3),
+                "predicted_time_ratio": None if time_ratio is None else round(time_ratio, 3),
+                "step_s": round(median[name], 4),
+            }
+        )
+    print("| method | activation MiB | memory / plain | predicted | time / plain | predicted |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(
+            f"| {row['method']} | {row['activation_mib']} | {row['memory_ratio']:.2f} | "
+            f"{_cell(row['predicted_ratio'])} | {row['time_ratio']:.2f}x | "
+            f"{_cell(row['predicted_time_ratio'])} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"fit_frontier_{args.model}{'_measured' if args.measure else ''}"
+    with open(stem.with_suffix(".csv"), "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, stem.with_suffix(".png"), f"Keras fit, {args.model}")
+    print(f"wrote {stem}.csv and {stem}.png")
+    return 0
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4.5))
+    for row in rows:
+        axes.scatter(row["memory_ratio"], row["time_ratio"])
+        axes.annotate(row["method"], (row["memory_ratio"], row["time_ratio"]), fontsize=8)
+    axes.set_xlabel("activation memory / plain")
+    axes.set_ylabel("step time / plain")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
