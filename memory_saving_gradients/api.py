@@ -219,9 +219,14 @@ def _log_plan(plan: Plan) -> None:
     logger.info("Checkpointing with %s: %d tensors.", plan.strategy, len(plan.checkpoints))
     logger.debug("Checkpoints: %s", [t.name for t in plan.checkpoints])
     if logger.isEnabledFor(logging.INFO) and plan.checkpoints:
+        time = (
+            ""
+            if plan.time_ratio is None
+            else f"; predicted step time {plan.time_ratio:.2f}x plain"
+        )
         logger.info(
-            "%s: predicted activation peak %.1f MiB, %.1f MiB without checkpoints.",
-            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
+            "%s: predicted activation peak %.1f MiB, %.1f MiB without checkpoints%s.",
+            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB, time,
         )  # fmt: skip
 
 

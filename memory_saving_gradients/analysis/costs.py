@@ -372,6 +372,10 @@ def _working_bytes(op: tf.Operation, output_bytes: Sequence[int]) -> int:
     )
 
 
+#: Ops that reduce their first input: each reads all of it for a small output.
+REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod", "EuclideanNorm", "ArgMax", "ArgMin"})
+
+
 def flops(op: tf.Operation) -> float:
     """Floating-point operations of `op`: multiply-adds count two."""
     if not op.outputs:
@@ -392,6 +396,8 @@ def flops(op: tf.Operation) -> float:
         return 2.0 * num_elements(op.inputs[2]) * math.prod(_known(d) for d in kernel[:-1])
     if op.type == "Einsum":
         return 2.0 * _einsum_terms(op)
+    if op.type in REDUCTIONS and op.inputs:  # a pass over all of its input
+        return float(max(out, num_elements(op.inputs[0])))
     return float(out)
 
 

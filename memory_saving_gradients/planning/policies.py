@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -85,7 +86,8 @@ def speed(view: ForwardView, label: str) -> Plan:
     predicted peak:
 
     - the outputs of matmuls and convolutions saved inside segments (selective
-      recomputation), with one level of cuts, the one with the least predicted peak,
+      recomputation), and what costs as much to remake per byte (the statistics of batch
+      normalisations), with one level of cuts, the one with the least predicted peak,
       deciding which cheap ops are recomputed together;
     - the outputs of matmuls, convolutions and function calls running one kept as
       checkpoints, and where a path escapes them (the skip path of a residual network),
@@ -116,32 +118,48 @@ def speed(view: ForwardView, label: str) -> Plan:
         kept = list({t.ref(): t for t in (*kept, *ends)}.values())
     plans = [Plan(view, [kept], label)]
     if all(saveable(view, t) for t in expensive):  # else some would be recomputed
-        selective = search.least_peak_saving(view, expensive, label)
+        selective = search.least_peak_saving(view, _as_dense_as_contractions(view), label)
         if selective.checkpoints:  # cuts of a chain's matmuls and tanhs save nothing
             plans.append(selective)
     return min(plans, key=lambda plan: (plan.peak_bytes, plan.recompute_flops_fraction))
 
 
-def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
-    """Sets of tensors a budget's plans may save inside segments: the outputs of matmuls and
-    convolutions (JAX's `dots_saveable`), and the saveable tensors that cost the most compute
-    to remake per byte kept (measured seconds, or FLOPs) up to ever larger shares of their
-    bytes (`tunables.SAVED_SHARES`): with measured costs, the normalisations and activations
-    that take a CPU longer than the convolutions beside them."""
+def _saveable(view: ForwardView) -> list[tf.Tensor]:
+    """The tensors plans may save inside segments, densest first: compute to remake them
+    (measured seconds, or FLOPs) per byte kept. Only tensors recomputed ops read count."""
     candidates = [
         op.outputs[0]
         for op in view.ops
         if op.outputs
         and saveable(view, op.outputs[0])
-        and any(r in view.recomputable for r in view.consumers(op.outputs[0]))
         and view.bytes(op.outputs[0])
+        and any(reader in view.recomputable for reader in view.consumers(op.outputs[0]))
     ]
-    sets = [[t for t in candidates if _is_expensive(t.op)]]
-    by_density = sorted(candidates, key=lambda t: -view.costs[t.op].compute / view.bytes(t))
+    return sorted(candidates, key=lambda t: -view.costs[t.op].compute / view.bytes(t))
+
+
+def _as_dense_as_contractions(view: ForwardView) -> list[tf.Tensor]:
+    """What 'speed' saves: every saveable tensor costing at least as much to remake per byte
+    as the cheapest matmul or convolution output does (those outputs, and the statistics of
+    normalisations: a full pass over a tensor for a few bytes)."""
+    candidates = _saveable(view)
+    densities = [view.costs[t.op].compute / view.bytes(t) for t in candidates]
+    floor = min((d for t, d in zip(candidates, densities, strict=True) if _is_expensive(t.op)),
+                default=math.inf)  # fmt: skip
+    return [t for t, d in zip(candidates, densities, strict=True) if d >= floor]
+
+
+def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
+    """Sets of tensors a budget's plans may save inside segments: what 'speed' saves, and
+    the densest saveable tensors up to ever larger shares of their bytes
+    (`tunables.SAVED_SHARES`; with measured costs, the normalisations and activations that
+    take a CPU longer per byte than the convolutions beside them)."""
+    candidates = _saveable(view)
+    sets = [_as_dense_as_contractions(view)]
     total = sum(view.bytes(t) for t in candidates)
     for share in tunables.SAVED_SHARES:
         chosen, size = [], 0
-        for t in by_density:
+        for t in candidates:
             if size + view.bytes(t) > share * total:
                 break
             chosen.append(t)
