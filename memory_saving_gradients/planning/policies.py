@@ -139,11 +139,13 @@ def _saveable(view: ForwardView) -> list[tf.Tensor]:
 
 
 def _as_dense_as_contractions(view: ForwardView) -> list[tf.Tensor]:
-    """What 'speed' saves: every saveable tensor costing at least as much to remake per byte
-    as the cheapest matmul or convolution output does (those outputs, and the statistics of
-    normalisations: a full pass over a tensor for a few bytes)."""
+    """What 'speed' saves: every saveable tensor costing at least as many FLOPs to remake per
+    byte as the cheapest matmul or convolution output does (those outputs, and the statistics
+    of normalisations: a full pass over a tensor for a few bytes). FLOPs even where kernel
+    times were measured: graph optimizers fuse a convolution with what follows it, and the
+    fused kernel's time is charged to the last op it absorbed."""
     candidates = _saveable(view)
-    densities = [view.costs[t.op].compute / view.bytes(t) for t in candidates]
+    densities = [view.costs[t.op].flops / view.bytes(t) for t in candidates]
     floor = min((d for t, d in zip(candidates, densities, strict=True) if _is_expensive(t.op)),
                 default=math.inf)  # fmt: skip
     return [t for t, d in zip(candidates, densities, strict=True) if d >= floor]
