@@ -19,6 +19,7 @@ SLICE = (
     "tests/test_errors.py",
     "tests/test_dtypes_devices.py",
     "tests/test_properties.py",
+    "tests/test_selective.py",
 )
 
 
