@@ -75,6 +75,28 @@ def test_outside_caller_scopes_leaves_the_callers_scopes_and_keeps_xla_compilati
     assert seen["xla"]
 
 
+def test_differentiated_as_passes_a_value_on_and_differentiates_it_as_another_op():
+    """The pass-through gives `value` and the gradient of `op` into `op`'s inputs; `op`
+    (whose output nothing reads) never runs, which the value it would give shows."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [2, 3])
+        w = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4))
+        product = tf.matmul(x, w)
+        stand_in = tf.ones([2, 4]) * 7.0  # not product: shows which value is passed on
+        passed = _tf.differentiated_as(stand_in, product.op)
+        loss = tf.reduce_sum(tf.sin(passed))
+        through = tf1.gradients(loss, [x, w])
+        assert passed.shape.as_list() == [2, 4]
+        assert not product.consumers()
+        # d loss / d product is cos(7), carried on through the matmul's own gradient.
+        reference = tf1.gradients(tf.reduce_sum(product * tf.cos(stand_in)), [x, w])
+        value = np.ones((2, 3), np.float32)
+        got_value, got, want = run([passed, through, reference], {x: value})
+    np.testing.assert_array_equal(got_value, np.full((2, 4), 7.0, np.float32))
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
 def test_copy_handle_data_lets_a_pass_through_of_a_handle_read_the_variable():
     with tf.Graph().as_default():
         v = tf.Variable([1.0, 2.0])

@@ -60,8 +60,7 @@ class Segment:
         """The segment behind `seeds`; of its ops, those making `saved` tensors (by ref)
         that other ops of it read are not run again (`Segment.saved`, `Segment.rerun`)."""
         reached = queries.backward_ops(seeds, within=view.position, stop_at=is_boundary)
-        ordered = sorted(reached, key=view.order)
-        inputs = [t for op in ordered for t in op.inputs]
+        inputs = [t for op in sorted(reached, key=view.order) for t in op.inputs]
         frontier = _unique(t for t in inputs if is_boundary(t))
         read_xs = _unique(t for t in inputs if view.is_x(t) and not is_boundary(t))
         recomputed = reached & view.recomputable
