@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from keras_resnet import build_model
+from keras_resnet import train_step
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.profiling import interleaved_step_times
@@ -55,22 +55,6 @@ class Predictions(logging.Handler):
             self.ratio = float(found[1]) / float(found[2])
         if found := PREDICTED_TIME.search(text):
             self.time_ratio = float(found[1])
-
-
-def train_step(args: argparse.Namespace, checkpoints: object | None):
-    """`train_on_batch` of a fresh model, plain when `checkpoints` is None."""
-    keras.utils.set_random_seed(0)
-    model = build_model(args)
-    if checkpoints is not None:
-        msg.keras.enable(model, checkpoints=checkpoints, measure=args.measure)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    rng = np.random.default_rng(1)
-    x = tf.constant(rng.standard_normal((args.batch, args.size, args.size, 3)).astype("f4"))
-    y = tf.constant(rng.integers(0, 10, args.batch))
-    return lambda: model.train_on_batch(x, y)
 
 
 def worst_peak(step, steps: int) -> float:
