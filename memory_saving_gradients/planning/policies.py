@@ -138,13 +138,16 @@ def _saveable(view: ForwardView) -> list[tf.Tensor]:
     return sorted(candidates, key=lambda t: -view.costs[t.op].compute / view.bytes(t))
 
 
-def _as_dense_as_contractions(view: ForwardView) -> list[tf.Tensor]:
+def _as_dense_as_contractions(
+    view: ForwardView, candidates: list[tf.Tensor] | None = None
+) -> list[tf.Tensor]:
     """What 'speed' saves: every saveable tensor costing at least as many FLOPs to remake per
     byte as the cheapest matmul or convolution output does (those outputs, and the statistics
     of normalisations: a full pass over a tensor for a few bytes). FLOPs even where kernel
     times were measured: graph optimizers fuse a convolution with what follows it, and the
-    fused kernel's time is charged to the last op it absorbed."""
-    candidates = _saveable(view)
+    fused kernel's time is charged to the last op it absorbed. `candidates`: `_saveable`'s,
+    where the caller has them."""
+    candidates = _saveable(view) if candidates is None else candidates
     densities = [view.costs[t.op].flops / view.bytes(t) for t in candidates]
     floor = min((d for t, d in zip(candidates, densities, strict=True) if _is_expensive(t.op)),
                 default=math.inf)  # fmt: skip
@@ -157,7 +160,7 @@ def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
     (`tunables.SAVED_SHARES`; with measured costs, the normalisations and activations that
     take a CPU longer per byte than the convolutions beside them)."""
     candidates = _saveable(view)
-    sets = [_as_dense_as_contractions(view)]
+    sets = [_as_dense_as_contractions(view, candidates)]
     total = sum(view.bytes(t) for t in candidates)
     for share in tunables.SAVED_SHARES:
         chosen, size = [], 0

@@ -158,15 +158,22 @@ def least_peak_saving(view: ForwardView, saved: Sequence[tf.Tensor], label: str)
     only the ops of tensors not saved are recomputed."""
     order = cut_search.Order.of(view, view.costs, saved)
     plain = simulation.plain_peak(view)
-    flat, high = cut_search.smallest_peak(order)
-    found = {flat: None}
-    for scale in tunables.ONE_LEVEL_SCALES:
-        if (cuts := cut_search.within(order, scale * high, nesting=0)) is not None:
-            found[cuts] = None
+    found, _ = _one_level_candidates(order)
     plans = [
         Plan(view, cut_search.checkpoints_of(order, cuts), label, plain, saved) for cuts in found
     ]
     return min(plans, key=lambda plan: plan.peak_bytes)
+
+
+def _one_level_candidates(order: cut_search.Order) -> tuple[dict, float]:
+    """One level's cuts for its least model peak and a few larger ones
+    (`tunables.ONE_LEVEL_SCALES`), as the keys of a dict, and that least model peak."""
+    flat, least = cut_search.smallest_peak(order)
+    found = {flat: None}
+    for scale in tunables.ONE_LEVEL_SCALES:
+        if (cuts := cut_search.within(order, scale * least, nesting=0)) is not None:
+            found[cuts] = None
+    return found, least
 
 
 def _least_peak_candidates(
@@ -176,11 +183,7 @@ def _least_peak_candidates(
     one level's cuts for its least model peak and a few larger ones, and the distinct nested
     plans for ever smaller model peaks (bisected). The simulated peak does not fall steadily
     with the model's, so each is simulated."""
-    flat, high = cut_search.smallest_peak(order)
-    found = {flat: None}
-    for scale in tunables.ONE_LEVEL_SCALES:
-        if (cuts := cut_search.within(order, scale * high, nesting=0)) is not None:
-            found[cuts] = None
+    found, high = _one_level_candidates(order)
     low = order.least_peak()
     for _ in range(tunables.LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2
