@@ -1,0 +1,122 @@
+"""`MemoryLog`: each epoch's measured step peak, and the saving against plain, in Keras logs.
+
+Checkpointing is worth its recomputation only where it saves memory, so the training log
+should say how much: `MemoryLog` adds to each epoch's `logs`, where `History`, `TensorBoard`
+and `CSVLogger` read them,
+
+- `peak_memory_mib`: the activation peak of the epoch's median training step, each measured
+  as the tests and benchmarks measure it (`profiling.peak_memory`): the allocator's peak
+  during the step minus what was resident before it (weights, optimizer state, inputs). The
+  median, not the largest: an epoch's first steps also fill the buffers of its input
+  pipeline. `step_peaks` holds each step's bytes of the last epoch;
+- `predicted_peak_mib`, `predicted_plain_peak_mib`: what the plan of the traced training step
+  predicts with its checkpoints, and for plain backprop (`Plan.peak_bytes`,
+  `Plan.plain_peak_bytes`; plain's twice where the plan does not pay and gradients are
+  plain);
+- `memory_saved_fraction`: 1 - measured peak / plain's predicted peak.
+
+The predictions come from the model's `checkpoint_plan`, which `msg.keras.enable` keeps; a
+model that is not enabled logs its peak only.
+
+Limits: the peak is read from TensorFlow's allocator statistics
+(`tf.config.experimental.get_memory_info`), which the CPU allocator and the GPU's BFC
+allocator keep on TensorFlow 2.21; where a device keeps none, nothing is logged and a warning
+says so. On the CPU they leave out small tensors, so a small model's steps can read as
+allocating nothing, which is logged as a warning. They count what that one device allocates
+from the start of a batch's callbacks to their end (with `steps_per_execution`, several
+steps at once), so an input pipeline running beside the step on the same device counts too,
+and copies made on other devices do not. The saving sets a measurement against a
+prediction: it is as exact as the cost model's prediction of plain backprop (README, "Seeing
+the plan before training").
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from memory_saving_gradients.planning.plans import MIB, Plan
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryLog(keras.callbacks.Callback):
+    """Adds each epoch's training-step activation peak and the saving against plain backprop's
+    predicted peak to `logs` (so History and TensorBoard show them):
+
+        history = model.fit(x, y, epochs=3, callbacks=[msg.keras.MemoryLog()])
+        history.history["peak_memory_mib"], history.history["memory_saved_fraction"]
+
+    List it before `TensorBoard` or `CSVLogger`, which write `logs` as they get them.
+    `device`: whose allocator to read, e.g. "GPU:0"; by default the first GPU, else the CPU.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.device = device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
+        #: Each training step's activation peak in the latest epoch, in bytes.
+        self.step_peaks: list[int] = []
+        self._resident = 0
+        self._measurable = True
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.step_peaks = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if not self._measurable:
+            return
+        try:
+            tf.config.experimental.reset_memory_stats(self.device)
+            self._resident = tf.config.experimental.get_memory_info(self.device)["current"]
+        except ValueError as error:
+            self._measurable = False
+            logger.warning(
+                "MemoryLog records no peak: TensorFlow keeps no allocator statistics for %s "
+                "(%s).", self.device, error,
+            )  # fmt: skip
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not self._measurable:
+            return
+        _wait_for(logs)
+        peak = tf.config.experimental.get_memory_info(self.device)["peak"] - self._resident
+        self.step_peaks.append(peak)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is None or not self.step_peaks:
+            return
+        if not any(self.step_peaks):
+            logger.warning(
+                "MemoryLog measured no allocation on %s in epoch %d: TensorFlow's CPU "
+                "allocator statistics leave out small tensors, as all of this step's are.",
+                self.device, epoch,
+            )  # fmt: skip
+        peak = statistics.median_low(self.step_peaks)
+        logs["peak_memory_mib"] = peak / MIB
+        plan: Plan | None = getattr(self.model, "checkpoint_plan", None)
+        if plan is None:
+            return
+        plain = plan.plain_peak_bytes
+        logs["predicted_peak_mib"] = (plan.peak_bytes if plan.pays else plain) / MIB
+        logs["predicted_plain_peak_mib"] = plain / MIB
+        logs["memory_saved_fraction"] = 1 - peak / plain if plain else 0.0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not hasattr(self.model, "checkpoint_plan"):
+            logger.info(
+                "MemoryLog: Keras model %s is not enabled by memory_saving_gradients.keras: "
+                "only its measured peak is logged, with no saving against plain.",
+                self.model.name,
+            )
+
+
+def _wait_for(logs: dict | None) -> None:
+    """Wait for the step to finish, by reading what it returned: a function call may return
+    before its kernels have run (on a GPU)."""
+    for value in keras.tree.flatten(logs or {}):
+        if isinstance(value, tf.Tensor):
+            np.asarray(value)
