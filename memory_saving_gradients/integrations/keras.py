@@ -43,11 +43,10 @@ import tensorflow as tf
 
 from memory_saving_gradients.analysis.measured import MeasuredCosts
 from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.api import CheckpointsArg, Plan
+from memory_saving_gradients.api import CheckpointsArg, Plan, Strategy, plan_for
 from memory_saving_gradients.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients.integrations.tape import GradientTape
-from memory_saving_gradients.planning.policies import Strategy, plan_for
 from memory_saving_gradients.profiling import measure_costs
 
 __all__ = ["LayerOutputs", "MemoryLog", "enable", "layer_outputs"]

@@ -38,8 +38,7 @@ import keras
 import tensorflow as tf
 
 from memory_saving_gradients.analysis.view import ForwardView, why_not_recomputable
-from memory_saving_gradients.planning.plans import Plan
-from memory_saving_gradients.planning.policies import NoCheckpointsError
+from memory_saving_gradients.api import NoCheckpointsError, Plan
 
 logger = logging.getLogger(__name__)
 

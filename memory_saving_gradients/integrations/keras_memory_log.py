@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.planning.plans import MIB, Plan
+from memory_saving_gradients.api import MIB, Plan
 
 logger = logging.getLogger(__name__)
 
