@@ -133,6 +133,35 @@ def test_gradients_keep_a_nested_models_output():
     assert_same_gradients([g.numpy() for g in plain], [g.numpy() for g in checkpointed])
 
 
+class Block(keras.layers.Layer):
+    """A custom layer calling sublayers of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(WIDTH, activation="tanh", name="first")
+        self.second = keras.layers.Dense(WIDTH, activation="tanh", name="second")
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def test_sublayers_of_custom_layers_in_a_sequential_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((WIDTH,)),
+            *(Block(name=f"block{i}") for i in range(4)),
+            keras.layers.Dense(1),
+        ]
+    )
+    policy = msg.keras.layer_outputs("block1", "first", model=model)
+    checkpointed, plain, plan = tape_step(model, policy)
+    assert_same_gradients([g.numpy() for g in plain], [g.numpy() for g in checkpointed])
+    # Every block's sublayer "first", and block1's output (made by its sublayer "second").
+    assert kept_scopes(plan) == ["block0_1/first_1", "block1_1/first_1", "block1_1/second_1",
+                                 "block2_1/first_1", "block3_1/first_1"]  # fmt: skip
+
+
 def test_predicate_picks_layers_of_the_model():
     model = named_chain()
     policy = msg.keras.layer_outputs(lambda layer: layer.name in ("block2_out", "block4_out"),
