@@ -254,3 +254,17 @@ def test_memory_log_adds_peaks_and_saving_to_history():
     )
     assert 0 < predicted < plain_predicted
     assert all(-1 < saved < 1 for saved in enabled["memory_saved_fraction"])
+
+
+def test_memory_log_logs_no_peak_where_the_allocator_shows_none(caplog):
+    """Steps of tensors too small for the CPU allocator's statistics read as no allocation:
+    that is no saving of everything, so nothing is logged but a warning."""
+    model = msg.keras.enable(named_chain(blocks=2), msg.keras.layer_outputs("block0_out"))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = batch(16)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                            callbacks=[msg.keras.MemoryLog()])  # fmt: skip
+    assert set(history.history) == {"loss"}
+    warnings = [r.getMessage() for r in caplog.records if "MemoryLog" in r.getMessage()]
+    assert len(warnings) == 1 and "small tensors" in warnings[0]

@@ -19,13 +19,13 @@ The predictions come from the model's `checkpoint_plan`, which `msg.keras.enable
 model that is not enabled logs its peak only.
 
 Limits: the peak is read from TensorFlow's allocator statistics
-(`tf.config.experimental.get_memory_info`), which the CPU allocator and the GPU's BFC
-allocator keep on TensorFlow 2.21; where a device keeps none, nothing is logged and a warning
-says so. On the CPU they leave out small tensors, so a small model's steps can read as
-allocating nothing, which is logged as a warning. They count what that one device allocates
-from the start of a batch's callbacks to their end (with `steps_per_execution`, several
-steps at once), so an input pipeline running beside the step on the same device counts too,
-and copies made on other devices do not. The saving sets a measurement against a
+(`tf.config.experimental.get_memory_info`), which the CPU allocator and the GPU's BFC allocator
+keep on TensorFlow 2.21; where a device keeps none, nothing is logged and a warning says so. On
+the CPU they leave out small tensors, so a small model's steps can read as allocating nothing:
+then nothing is logged either, and a warning says why. They count what that one device
+allocates from the start of a batch's callbacks to their end (with `steps_per_execution`,
+several steps at once), so an input pipeline running beside the step on the same device counts
+too, and copies made on other devices do not. The saving sets a measurement against a
 prediction: it is as exact as the cost model's prediction of plain backprop (README, "Seeing
 the plan before training").
 """
@@ -62,6 +62,15 @@ class MemoryLog(keras.callbacks.Callback):
         self.step_peaks: list[int] = []
         self._resident = 0
         self._measurable = True
+        self._warned_small = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not hasattr(self.model, "checkpoint_plan"):
+            logger.info(
+                "MemoryLog: Keras model %s is not enabled by memory_saving_gradients.keras: "
+                "only its measured peak is logged, with no saving against plain.",
+                self.model.name,
+            )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.step_peaks = []
@@ -89,12 +98,15 @@ class MemoryLog(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is None or not self.step_peaks:
             return
-        if not any(self.step_peaks):
-            logger.warning(
-                "MemoryLog measured no allocation on %s in epoch %d: TensorFlow's CPU "
-                "allocator statistics leave out small tensors, as all of this step's are.",
-                self.device, epoch,
-            )  # fmt: skip
+        if not any(self.step_peaks):  # a reading of nothing, not a saving of everything
+            if not self._warned_small:
+                logger.warning(
+                    "MemoryLog logs no peak: the allocator statistics of %s show no allocation "
+                    "in any step; they leave out small tensors, the only ones these steps make.",
+                    self.device,
+                )
+                self._warned_small = True
+            return
         peak = statistics.median_low(self.step_peaks)
         logs["peak_memory_mib"] = peak / MIB
         plan: Plan | None = getattr(self.model, "checkpoint_plan", None)
@@ -104,14 +116,6 @@ class MemoryLog(keras.callbacks.Callback):
         logs["predicted_peak_mib"] = (plan.peak_bytes if plan.pays else plain) / MIB
         logs["predicted_plain_peak_mib"] = plain / MIB
         logs["memory_saved_fraction"] = 1 - peak / plain if plain else 0.0
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        if not hasattr(self.model, "checkpoint_plan"):
-            logger.info(
-                "MemoryLog: Keras model %s is not enabled by memory_saving_gradients.keras: "
-                "only its measured peak is logged, with no saving against plain.",
-                self.model.name,
-            )
 
 
 def _wait_for(logs: dict | None) -> None:
