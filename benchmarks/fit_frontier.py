@@ -48,11 +48,13 @@ class Predictions(logging.Handler):
         super().__init__(logging.INFO)
         self.ratio: float | None = None
         self.time_ratio: float | None = None
+        self.mib: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if found := PREDICTED.search(text):
             self.ratio = float(found[1]) / float(found[2])
+            self.mib = float(found[1])
         if found := PREDICTED_TIME.search(text):
             self.time_ratio = float(found[1])
 
@@ -69,8 +71,16 @@ def worst_peak(step, steps: int) -> float:
     return max(peaks) / MiB
 
 
+def keep_nothing(view: msg.ForwardView) -> msg.Plan:
+    """Plain gradients in the enabled step: what its ordering of updates alone saves."""
+    return msg.Plan(view, [()], "plain")
+
+
 def method_of(name: str) -> object:
-    """A strategy name, or a budget written as a fraction (0.5)."""
+    """A strategy name, 'plain-ordered' (`keep_nothing`), or a budget written as a fraction
+    (0.5)."""
+    if name == "plain-ordered":
+        return keep_nothing
     try:
         return msg.MemoryBudget(float(name))
     except ValueError:
@@ -86,7 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--methods", nargs="+", default=["speed", "balanced", "0.5", "0.4", "memory"]
+        "--methods",
+        nargs="+",
+        default=["plain-ordered", "speed", "balanced", "0.5", "0.4", "memory"],
     )
     parser.add_argument("--measure", action="store_true", help="plan from the first step")
     parser.add_argument("--memory-repeats", type=int, default=1)
@@ -112,21 +124,22 @@ def main(argv=None) -> int:
     steps = {}
     for name, checkpoints in methods.items():
         for _ in range(args.memory_repeats):
-            predictions.ratio = predictions.time_ratio = None
+            predictions.ratio = predictions.time_ratio = predictions.mib = None
             steps[name] = train_step(args, checkpoints)
             peak = worst_peak(steps[name], args.steps)
             peaks[name] = min(peaks.get(name, peak), peak)
-        predicted[name] = (predictions.ratio, predictions.time_ratio)
+        predicted[name] = (predictions.ratio, predictions.time_ratio, predictions.mib)
         print(f"  {name}: {peaks[name]:.1f} MiB", flush=True)
     times = interleaved_step_times(steps, args.repeats)
     median = {name: float(np.median(values)) for name, values in times.items()}
     rows = []
     for name in methods:
-        ratio, time_ratio = predicted[name] if name != "plain" else (1.0, 1.0)
+        ratio, time_ratio, mib = predicted[name] if name != "plain" else (1.0, 1.0, None)
         rows.append(
             {
                 "method": name,
                 "activation_mib": round(peaks[name], 1),
+                "predicted_mib": None if mib is None else round(mib, 1),
                 "memory_ratio": round(peaks[name] / peaks["plain"], 3),
                 "predicted_ratio": None if ratio is None else round(ratio, 3),
                 "time_ratio": round(median[name] / median["plain"], 3),
@@ -134,11 +147,15 @@ def main(argv=None) -> int:
                 "step_s": round(median[name], 4),
             }
         )
-    print("| method | activation MiB | memory / plain | predicted | time / plain | predicted |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| method | activation MiB | predicted MiB | memory / plain | predicted | "
+        "time / plain | predicted |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(
-            f"| {row['method']} | {row['activation_mib']} | {row['memory_ratio']:.2f} | "
+            f"| {row['method']} | {row['activation_mib']} | {_cell(row['predicted_mib'], 1)} | "
+            f"{row['memory_ratio']:.2f} | "
             f"{_cell(row['predicted_ratio'])} | {row['time_ratio']:.2f}x | "
             f"{_cell(row['predicted_time_ratio'])} |"
         )
@@ -153,8 +170,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cell(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:

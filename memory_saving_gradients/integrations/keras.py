@@ -132,7 +132,7 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg, costs: MeasuredCosts |
 # SGD momentum: 98 MiB of temporaries on top of 270 MiB of activations). Each variable's update
 # step is therefore traced under a control dependency on the gradient as backprop made it
 # (Keras passes it on through the all-reduce of its distribution strategy, an IdentityN of
-# every gradient, which would make every update wait for the last gradient).
+# every gradient: a control dependency on that would make every update wait for the last).
 @contextlib.contextmanager
 def _updates_after_gradients(
     optimizer: keras.optimizers.Optimizer,
