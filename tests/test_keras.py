@@ -335,7 +335,9 @@ def test_updates_after_their_gradients_train_as_plain(optimizer):
         model.fit(x, y["value"], batch_size=16, epochs=2, shuffle=False, verbose=0)
         models.append(model)
     assert_same_weights(models[1], models[0])
-    for have, want in zip(models[1].optimizer.variables, models[0].optimizer.variables):
+    for have, want in zip(
+        models[1].optimizer.variables, models[0].optimizer.variables, strict=True
+    ):
         np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 

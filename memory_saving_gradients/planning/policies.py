@@ -155,23 +155,36 @@ def _as_dense_as_contractions(
 
 
 def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
-    """Sets of tensors a budget's plans may save inside segments: what 'speed' saves, and
-    the densest saveable tensors up to ever larger shares of their bytes
-    (`tunables.SAVED_SHARES`; with measured costs, the normalisations and activations that
-    take a CPU longer per byte than the convolutions beside them)."""
+    """Sets of tensors a budget's plans may save inside segments: what 'speed' saves; its
+    earliest tensors up to ever larger shares of its bytes (`tunables.SAVED_PREFIXES`: a plan
+    within a budget recomputes the forward pass up to some point and keeps the rest as plain
+    backprop does, so saving there is what spares the recomputation, while saving beyond that
+    point would only add to the peak); and the densest saveable tensors up to ever larger
+    shares of their bytes (`tunables.SAVED_SHARES`; with measured costs, the normalisations and
+    activations that take a CPU longer per byte than the convolutions beside them)."""
     candidates = _saveable(view)
-    sets = [_as_dense_as_contractions(view, candidates)]
-    total = sum(view.bytes(t) for t in candidates)
-    for share in tunables.SAVED_SHARES:
-        chosen, size = [], 0
-        for t in candidates:
-            if size + view.bytes(t) > share * total:
-                break
-            chosen.append(t)
-            size += view.bytes(t)
-        if chosen and all({t.ref() for t in chosen} != {u.ref() for u in s} for s in sets):
-            sets.append(chosen)
-    return [s for s in sets if s]
+    speed_set = _as_dense_as_contractions(view, candidates)
+    in_forward_order = sorted(speed_set, key=lambda t: view.position[t.op])
+    sets = [speed_set]
+    sets += [_leading(view, in_forward_order, share) for share in tunables.SAVED_PREFIXES]
+    sets += [_leading(view, candidates, share) for share in tunables.SAVED_SHARES]
+    distinct: dict[frozenset, list[tf.Tensor]] = {}
+    for tensors in sets:
+        if tensors:
+            distinct.setdefault(frozenset(t.ref() for t in tensors), tensors)
+    return list(distinct.values())
+
+
+def _leading(view: ForwardView, tensors: list[tf.Tensor], share: float) -> list[tf.Tensor]:
+    """The first of `tensors` whose bytes together are at most `share` of all of theirs."""
+    total = sum(view.bytes(t) for t in tensors)
+    chosen, size = [], 0
+    for t in tensors:
+        if size + view.bytes(t) > share * total:
+            break
+        chosen.append(t)
+        size += view.bytes(t)
+    return chosen
 
 
 def _is_expensive(op: tf.Operation) -> bool:

@@ -34,6 +34,11 @@ NESTING_GAIN = 0.03
 
 # Selective recomputation (`policies`: what budgets may save inside segments).
 
+#: Shares of the bytes 'speed' saves that budgets also try saving alone, earliest in the
+#: forward pass first: each is one more set of plans to search (residual CNN of 56 blocks,
+#: MemoryBudget(0.4): the plan recomputing least saves the first half, and recomputes 0.40 of
+#: the forward pass's FLOPs where saving all or nothing recomputes 0.63).
+SAVED_PREFIXES = (0.25, 0.5, 0.75)
 #: Shares of the saveable tensors' bytes that budgets try to save, densest compute per byte
 #: first: each share is one more set of plans to search, the plan recomputing least winning.
 SAVED_SHARES = (0.25, 0.5, 0.75)
