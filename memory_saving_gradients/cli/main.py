@@ -3,14 +3,16 @@
     memory-saving-gradients demo [--quick] [--out DIR]
     memory-saving-gradients bench --model resnet --depths 4 8 16 --budgets 0.25 0.5
     memory-saving-gradients explain --model ResNet50 --strategies memory balanced
+    memory-saving-gradients fit --model resnet --limit 64MiB --grow batch
 
-Tables go to stdout, progress to stderr; `demo` and `bench` also write a CSV file and, with
-matplotlib installed (the `demo` extra), a plot.
+Tables go to stdout, progress to stderr; `demo`, `bench` and `fit` also write a CSV file and,
+with matplotlib installed (the `demo` extra), a plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +32,19 @@ DEMO_QUICK = ((4, 8, 16, 32), 512, 128)
 DEMO_BUDGET = 0.25
 DEMO_REPEATS = 5
 DEMO_BUILDS = 2
+#: What `fit --baselines` may name: tf.recompute_grad over blocks, keras.RematScope modes.
+FIT_BASELINES = ("recompute_grad", "remat-full", "remat-activations", "remat-larger")
+FIT_DEFAULT_BASELINES = ("recompute_grad", "remat-full", "remat-activations")
+#: The sizes `fit` can grow: every model's batch, the depth of models made of blocks, the
+#: transformer's sequence length.
+GROWABLE = ("batch", "depth", "length")
+#: The most `fit` grows a size to unless --max says otherwise.
+FIT_MAX = 2**20
+#: Multiples of a byte that --limit takes.
+UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="memory-saving-gradients",
         description="Peak memory and step time of checkpointed gradients (TensorFlow 2).",
     )
-    commands = parser.add_subparsers(required=True, metavar="{demo,bench,explain}")
+    commands = parser.add_subparsers(required=True, metavar="{demo,bench,explain,fit}")
 
     demo = commands.add_parser(
         "demo",
@@ -109,6 +124,49 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_methods(explain)
     explain.set_defaults(run=_explain)
+
+    fit = commands.add_parser(
+        "fit",
+        help="the largest batch, depth or sequence length whose step fits a memory limit",
+        description="For each method (plain tf.gradients, strategies, budgets, "
+        "tf.recompute_grad over blocks, keras.RematScope), the largest value of one size "
+        "whose training step fits the limit: on CPU its measured activation peak (the step's "
+        "peak above resident weights and inputs), on a GPU the device given that much memory.",
+    )
+    _add_model(fit)
+    fit.add_argument("--limit", type=_bytes, required=True, help="memory limit, such as 2GiB")
+    fit.add_argument(
+        "--grow",
+        choices=GROWABLE,
+        default="batch",
+        help="the size to search: batch, depth (models made of blocks) or length (the "
+        "transformer's sequence length); default: batch",
+    )
+    fit.add_argument(
+        "--depth",
+        type=_depth,
+        help="the model's depth (default: its largest default); with --grow depth, where the "
+        "search starts",
+    )
+    _add_methods(fit)
+    fit.add_argument(
+        "--baselines",
+        nargs="*",
+        choices=FIT_BASELINES,
+        default=list(FIT_DEFAULT_BASELINES),
+        help="TensorFlow's and Keras's own recomputation to search too (default: "
+        f"{' '.join(FIT_DEFAULT_BASELINES)})",
+    )
+    fit.add_argument(
+        "--max", type=_positive, default=FIT_MAX, help=f"the most to grow to (default: {FIT_MAX})"
+    )
+    fit.add_argument("--repeats", type=_positive, default=1, help="timed steps per probe")
+    fit.add_argument(
+        "--builds", type=_positive, default=1, help="fresh builds per probe (smallest peak)"
+    )
+    fit.add_argument("--device", choices=DEVICES, default="auto", help="default: a GPU if any")
+    _add_out(fit)
+    fit.set_defaults(run=_fit)
     return parser
 
 
@@ -176,6 +234,18 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]+)\s*", text)
+    if not match or match[2].upper() not in UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not an amount of memory: {text!r} (use a unit: B, KiB, MiB, GiB, KB, MB, GB)"
+        )
+    value = int(float(match[1]) * UNITS[match[2].upper()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -253,6 +323,59 @@ def _explain(args: argparse.Namespace) -> int:
     from memory_saving_gradients.cli import explain
 
     print(explain.plans(args.model, depths[0], shape, args.strategies, args.budgets))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    """Search each method's largest value; print the table, write the CSV file and plot."""
+    shape, depths = _model_options(args, [args.depth] if args.depth else None, "--depth")
+    from memory_saving_gradients.models import command as models
+
+    kind = models.kind_of(args.model)
+    if args.grow == "depth" and not kind.has_blocks:
+        raise _OptionError("--grow", "keras.applications models have their own depth")
+    if args.grow == "length" and args.model != "transformer":
+        raise _OptionError("--grow", "only the transformer has a sequence length")
+    depth = depths[0] if args.depth or args.grow == "depth" else depths[-1]
+    lower = 2 if args.grow == "depth" else 1
+    from memory_saving_gradients.cli import largest, largest_report, measure, runtime
+
+    upper = largest.upper_bound(args.model, args.grow, shape.size, args.max)
+    if upper < lower:
+        raise _OptionError("--max", f"must be at least {lower} to grow {args.grow}")
+    _check_writable(args.out)
+    runtime.warn_once()
+    try:
+        device = largest.start(args.device, args.limit)
+    except runtime.NoGpuError as error:
+        raise _OptionError("--device", str(error)) from None
+    setting = measure.Setting(device, args.builds, args.repeats)
+    problem = largest.Problem(
+        args.model, depth, shape, args.grow, args.limit, lower, upper, device, setting
+    )
+    chosen = largest.contenders(args.strategies, args.budgets, args.baselines)
+    described = (
+        f"{_setting(args.model, shape, device, kind.depth_counts)}, depth {depth}; "
+        f"grow {args.grow}, limit {args.limit / largest.MIB:g} MiB"
+    )
+    print(described)
+    start = time.perf_counter()
+    first = {"batch": shape.batch, "depth": depth, "length": shape.size}[args.grow]
+    answers = largest.search_all(problem, chosen, first, _progress)
+    print(largest_report.table(answers, problem))
+    measured = "activation peak above resident memory" if device == "CPU:0" else device
+    print(f"(fits: {measured} within the limit; {time.perf_counter() - start:.0f} s)")
+    stem = f"fit-{args.model}-{args.grow}"
+    csv_path, plot_path = args.out / f"{stem}.csv", args.out / f"{stem}.png"
+    columns = {"model": args.model, "device": device, "grow": args.grow, "limit": args.limit}
+    largest_report.write_csv(
+        answers, problem, csv_path, {**columns, "depth": depth, **vars(shape)}
+    )
+    try:
+        largest_report.plot(answers, problem, plot_path, described)
+        print(f"wrote {csv_path} and {plot_path}")
+    except ImportError:
+        print(f"wrote {csv_path}; no plot: matplotlib is missing (pip install matplotlib)")
     return 0
 
 
