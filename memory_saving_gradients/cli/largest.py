@@ -225,10 +225,11 @@ def search(
     """The largest value in [`lower`, `upper`] that `probe` says fits, taken to fit up to
     some value and not beyond; `limit_mib` guides the guesses from measured peaks.
 
-    From `first`, halved until a value fits, the search grows along the line through the
-    two largest fitting values (at most `GROWTH_GUIDED` times the largest at once), then
-    narrows the bracket between the largest fitting value and the smallest failing one,
-    along the line through its ends until that fails to halve it, then by halving.
+    From `first`, shrunk until a value fits (`_shrunk`), the search grows along the line
+    through the two largest fitting values (at most `GROWTH_GUIDED` times the largest at
+    once), then narrows the bracket between the largest fitting value and the smallest
+    failing one, along the line through its ends until that fails to halve it, then by
+    halving.
     """
     probes: dict[int, Probe] = {}
 
@@ -256,7 +257,7 @@ def search(
         hi = value
         if value == lower:
             return answer(None, hi, "none fits")
-        value = max(lower, value // 2)
+        value = _shrunk(probes[value], limit_mib, lower)
     lo = value
     bisecting = False
     while lo < upper and (hi is None or hi - lo > 1):
@@ -277,6 +278,14 @@ def search(
             hi = guess
         bisecting = bisecting or (width is not None and hi is not None and 2 * (hi - lo) > width)
     return answer(lo, hi)
+
+
+def _shrunk(failing: Probe, limit_mib: float, lower: int) -> int:
+    """Below a failing value: its share of it that the limit is of its peak (activation
+    memory is about proportional to each size), or half of it where it has no peak."""
+    peak = failing.activation_mib
+    share = limit_mib / peak if peak else 0.5
+    return max(lower, min(failing.value - 1, math.floor(share * failing.value)))
 
 
 def _extrapolated(probes: dict[int, Probe], lo: int, limit_mib: float, upper: int) -> int:
