@@ -290,15 +290,22 @@ def _shrunk(failing: Probe, limit_mib: float, lower: int) -> int:
 
 def _extrapolated(probes: dict[int, Probe], lo: int, limit_mib: float, upper: int) -> int:
     """Where the line through the two largest fitting values reaches `limit_mib`, at most
-    `GROWTH_GUIDED` times `lo`; twice `lo` without such a line."""
+    `GROWTH_GUIDED` times `lo`. Without such a line, `lo` scaled by the limit over its peak
+    (peaks that grow faster than the size, such as attention's with sequence length, are not
+    overshot by much), at most `GROWTH_UNGUIDED` times `lo`, and that where the scaled value
+    is not above `lo` (a peak at the limit)."""
     fitting = sorted(v for v, p in probes.items() if p.fits and p.activation_mib is not None)
+    peak_lo = probes[lo].activation_mib
+    unguided = GROWTH_UNGUIDED * lo
+    if peak_lo and lo * limit_mib / peak_lo >= lo + 1:
+        unguided = min(unguided, math.floor(lo * limit_mib / peak_lo))
     if len(fitting) < 2:
-        return min(upper, GROWTH_UNGUIDED * lo)
+        return min(upper, unguided)
     a, b = fitting[-2:]
     peak_a, peak_b = probes[a].activation_mib, probes[b].activation_mib
     assert peak_a is not None and peak_b is not None
     if peak_b <= peak_a:
-        return min(upper, GROWTH_UNGUIDED * lo)
+        return min(upper, unguided)
     crossing = b + math.floor((limit_mib - peak_b) * (b - a) / (peak_b - peak_a))
     return min(upper, GROWTH_GUIDED * lo, crossing)
 

@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--depth",
         type=_depth,
-        help="the model's depth (default: its largest default); with --grow depth, where the "
+        help="the model's depth (default: its middle default); with --grow depth, where the "
         "search starts",
     )
     _add_methods(fit)
@@ -336,7 +336,7 @@ def _fit(args: argparse.Namespace) -> int:
         raise _OptionError("--grow", "keras.applications models have their own depth")
     if args.grow == "length" and args.model != "transformer":
         raise _OptionError("--grow", "only the transformer has a sequence length")
-    depth = depths[0] if args.depth or args.grow == "depth" else depths[-1]
+    depth = depths[0] if args.depth or args.grow == "depth" else depths[len(depths) // 2]
     lower = 2 if args.grow == "depth" else 1
     from memory_saving_gradients.cli import largest, largest_report, measure, runtime
 
