@@ -181,7 +181,8 @@ def search_all(
     progress: Callable[[str], None],
 ) -> list[Answer]:
     """The answer of each contender. Plain's largest value, where it has one, is where the
-    others' searches start: checkpointing never needs more memory than plain backprop."""
+    others' searches start: checkpointing seldom fits less (where it does, as
+    keras.RematScope's 'activations' may, the search shrinks from there)."""
     answers: list[Answer] = []
     plain_largest: int | None = None
     for contender in chosen:

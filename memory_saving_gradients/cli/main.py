@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--max", type=_positive, default=FIT_MAX, help=f"the most to grow to (default: {FIT_MAX})"
     )
-    fit.add_argument("--repeats", type=_positive, default=1, help="timed steps per probe")
+    fit.add_argument("--repeats", type=_positive, default=2, help="timed steps per probe (median)")
     fit.add_argument(
         "--builds", type=_positive, default=1, help="fresh builds per probe (smallest peak)"
     )
@@ -354,13 +354,13 @@ def _fit(args: argparse.Namespace) -> int:
         args.model, depth, shape, args.grow, args.limit, lower, upper, device, setting
     )
     chosen = largest.contenders(args.strategies, args.budgets, args.baselines)
+    first = {"batch": shape.batch, "depth": depth, "length": shape.size}[args.grow]
     described = (
         f"{_setting(args.model, shape, device, kind.depth_counts)}, depth {depth}; "
-        f"grow {args.grow}, limit {args.limit / largest.MIB:g} MiB"
+        f"grow {args.grow} from {first}, limit {args.limit / largest.MIB:g} MiB"
     )
     print(described)
     start = time.perf_counter()
-    first = {"batch": shape.batch, "depth": depth, "length": shape.size}[args.grow]
     answers = largest.search_all(problem, chosen, first, _progress)
     print(largest_report.table(answers, problem))
     measured = "activation peak above resident memory" if device == "CPU:0" else device
