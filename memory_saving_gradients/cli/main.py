@@ -356,15 +356,20 @@ def _fit(args: argparse.Namespace) -> int:
     chosen = largest.contenders(args.strategies, args.budgets, args.baselines)
     first = {"batch": shape.batch, "depth": depth, "length": shape.size}[args.grow]
     described = (
-        f"{_setting(args.model, shape, device, kind.depth_counts)}, depth {depth}; "
+        f"{_setting(args.model, shape, device, kind.depth_counts)}"
+        f"{f', depth {depth}' if kind.has_blocks else ''}; "
         f"grow {args.grow} from {first}, limit {args.limit / largest.MIB:g} MiB"
     )
     print(described)
     start = time.perf_counter()
     answers = largest.search_all(problem, chosen, first, _progress)
     print(largest_report.table(answers, problem))
-    measured = "activation peak above resident memory" if device == "CPU:0" else device
-    print(f"(fits: {measured} within the limit; {time.perf_counter() - start:.0f} s)")
+    rule = (
+        "its activation peak above resident memory is within the limit"
+        if device == "CPU:0"
+        else f"it runs on {device} given the limit as its memory"
+    )
+    print(f"(fits: {rule}; {time.perf_counter() - start:.0f} s)")
     stem = f"fit-{args.model}-{args.grow}"
     csv_path, plot_path = args.out / f"{stem}.csv", args.out / f"{stem}.png"
     columns = {"model": args.model, "device": device, "grow": args.grow, "limit": args.limit}
