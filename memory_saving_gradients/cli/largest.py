@@ -138,10 +138,12 @@ class Problem:
         """The depth and shape of the model with `grow` at `value`."""
         if self.grow == "depth":
             return value, self.shape
-        field = "batch" if self.grow == "batch" else "size"
-        return self.depth, dataclasses.replace(self.shape, **{field: value})
+        if self.grow == "batch":
+            return self.depth, dataclasses.replace(self.shape, batch=value)
+        return self.depth, dataclasses.replace(self.shape, size=value)
 
     def batch_at(self, value: int) -> int:
+        """The batch of the model with `grow` at `value`."""
         return value if self.grow == "batch" else self.shape.batch
 
 

@@ -31,7 +31,8 @@ def table(answers: Sequence[Answer], problem: Problem) -> str:
         "method", f"largest {problem.grow}", "x plain", "step s", "samples/s",
         "activation MiB", "probes",
     ]  # fmt: skip
-    rows, notes = [], []
+    rows: list[list[str]] = []
+    notes: list[str] = []
     for answer in answers:
         if answer.largest is None or answer.fitting is None:
             notes.append(f"({len(notes) + 1}) {answer.method}: {answer.note}")
@@ -85,7 +86,8 @@ def write_csv(
                 "probes": len(answer.probes),
                 "note": answer.note,
             }
-            writer.writerow([*setting.values(), *("" if v is None else v for v in row.values())])
+            cells = ("" if row[field] is None else row[field] for field in CSV_FIELDS)
+            writer.writerow([*setting.values(), *cells])
 
 
 def plot(answers: Sequence[Answer], problem: Problem, path: Path, title: str) -> None:
