@@ -10,7 +10,13 @@ import math
 
 import pytest
 
-from memory_saving_gradients.cli.largest import Probe, failure_reason, search, upper_bound
+from memory_saving_gradients.cli.largest import (
+    Probe,
+    Problem,
+    failure_reason,
+    search,
+    upper_bound,
+)
 from memory_saving_gradients.cli.main import main
 from tests.helpers import run_python
 
@@ -72,6 +78,21 @@ def test_a_unets_depth_grows_only_as_far_as_its_images_halve():
     assert upper_bound("unet", "depth", 64, 100) == 7
     assert upper_bound("unet", "depth", 40, 100) == 4
     assert upper_bound("resnet", "depth", 64, 100) == 100
+
+
+@pytest.mark.parametrize(
+    ("grow", "depth", "batch", "size"),
+    [("batch", 4, 16, 32), ("depth", 16, 8, 32), ("length", 4, 8, 16)],
+)
+def test_each_size_grows_its_own_dimension(grow, depth, batch, size):
+    from memory_saving_gradients.cli import measure
+    from memory_saving_gradients.models.command import Shape
+
+    problem = Problem(
+        "transformer", 4, Shape(8, 64, 32), grow, 2**20, 1, 100, "CPU:0", measure.Setting("CPU:0")
+    )
+    assert problem.resized(16) == (depth, Shape(batch, 64, size))
+    assert problem.batch_at(16) == batch
 
 
 def test_the_reason_of_a_keras_layer_failure_is_its_cause():
