@@ -67,3 +67,21 @@ def test_peak_gpu_memory_drops():
     plain_peak = peak_memory(plain, device="GPU:0")
     checkpointed_peak = peak_memory(checkpointed, device="GPU:0")
     assert checkpointed_peak < 0.5 * plain_peak
+
+
+def test_fit_command_finds_the_largest_batch_under_a_real_gpu_limit(tmp_path):
+    """`fit --device gpu` gives GPU:0 the limit as its memory and counts a step that runs out
+    as not fitting: 'memory' trains a larger batch of the chain than plain in 256 MiB."""
+    import csv
+
+    from tests.helpers import run_python
+
+    run_python(
+        "-m", "memory_saving_gradients", "fit", "--model", "chain", "--limit", "256MiB",
+        "--strategies", "memory", "--budgets", "--baselines", "--device", "gpu",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    with (tmp_path / "fit-chain-batch.csv").open(newline="") as file:
+        rows = {row["method"]: row for row in csv.DictReader(file)}
+    assert {row["device"] for row in rows.values()} == {"GPU:0"}
+    assert int(rows["'memory'"]["largest"]) > int(rows["plain"]["largest"]) > 0
