@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.planning import cut_search
+from memory_saving_gradients.planning import cut_search, tunables
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_same_gradients, original_of, recomputed_copies
 
@@ -62,6 +62,29 @@ def test_plans_save_the_matmul_outputs_inside_segments(checkpoints, recomputed):
     assert 0 < plan.recompute_flops_fraction < recomputed
     assert plan.peak_bytes < 0.7 * plan.plain_peak_bytes
     assert "inside segments, whose ops are not recomputed" in str(plan).splitlines()[0]
+
+
+def budget_plan(fraction: float) -> msg.Plan:
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
+        weights = weights_of()
+        return msg.plan(residual_sine_chain(x, weights), weights, msg.MemoryBudget(fraction))
+
+
+def test_a_budget_too_tight_to_save_every_matmul_saves_the_earliest(monkeypatch):
+    """At 0.6 of plain, saving all 12 matmuls does not fit; saving the first half does, where
+    the recomputation happens, and recomputes 0.33 of the forward FLOPs where the best plan
+    saving nothing recomputes 0.50 (`tunables.SAVED_PREFIXES`)."""
+    plan = budget_plan(0.6)
+    forward = plan.saved[0].graph.get_operations()
+    matmuls = [op for op in forward if op.type == "MatMul"]
+    assert [t.op for t in plan.saved] == matmuls[: len(plan.saved)]
+    assert 0 < len(plan.saved) < len(matmuls)
+    assert plan.peak_bytes <= 0.6 * plan.plain_peak_bytes
+    monkeypatch.setattr(tunables, "SAVED_PREFIXES", ())
+    unsaved = budget_plan(0.6)
+    assert not unsaved.saved
+    assert plan.recompute_flops_fraction < 0.8 * unsaved.recompute_flops_fraction
 
 
 @pytest.mark.tf2_only
