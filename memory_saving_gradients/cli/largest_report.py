@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from memory_saving_gradients.cli.largest import MIB, Answer, Problem
-from memory_saving_gradients.cli.report import MARKERS
+from memory_saving_gradients.cli.report import MARKERS, aligned
 
 CSV_FIELDS = (
     "method", "largest", "capped", "activation_mib", "step_s", "samples_per_s",
@@ -54,15 +54,7 @@ def table(answers: Sequence[Answer], problem: Problem) -> str:
                 str(len(answer.probes)),
             ]
         )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([line(header), *map(line, rows), *notes])
+    return "\n".join([*aligned([header, *rows], text_column=0), *notes])
 
 
 def write_csv(

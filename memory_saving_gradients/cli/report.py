@@ -32,6 +32,19 @@ _COLUMNS = (
 )
 
 
+def aligned(rows: Sequence[Sequence[str]], text_column: int) -> list[str]:
+    """`rows` (the header first) as lines of columns two spaces apart, numbers right-aligned
+    and `text_column` (the method's name) left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i == text_column else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
 def table(points: Sequence[Point]) -> str:
     """One row per point, and where there are several depths the log-log slope of each
     method's memory against depth (1: linear, 0.5: sqrt)."""
@@ -39,15 +52,7 @@ def table(points: Sequence[Point]) -> str:
     rows = [
         [form.format(getattr(point, field)) for field, _, form in _COLUMNS] for point in points
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            cell.ljust(width) if i == 1 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    lines = [line(header), *map(line, rows)]
+    lines = aligned([header, *rows], text_column=1)
     others = sorted(
         {f"; {p.method}: to {p.reference}" for p in points if p.reference != PLAIN.name}
     )
