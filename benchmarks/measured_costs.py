@@ -1,7 +1,9 @@
-"""Predictions from measured costs against measurements, on `keras.applications` models.
+"""Predictions from measured costs against measurements, on `keras.applications` models and
+the command's own (the transformer: `python -m memory_saving_gradients bench --model`).
 
-For each model: a training step in a `tf.function` (training-mode forward pass, the sum of
-the outputs as the loss, gradients of every trainable weight, each reduced to a scalar), plain
+For each model: a training step in a `tf.function` (training-mode forward pass; the sum of
+the outputs as the loss, or the command model's own loss; gradients of every trainable
+weight, each reduced to a scalar), plain
 and with each strategy. The plain step is measured once (`msg.measure_costs`), and each
 strategy is planned twice, from the static estimates and from those costs; each step's
 activation peak (the smallest of two fresh measurements) and its step time against plain
@@ -11,6 +13,7 @@ measured peak; "time" is measured over plain, "predicted" the plan's `time_ratio
     python benchmarks/measured_costs.py                       # ConvNeXtTiny 64x64 batch 8
     python benchmarks/measured_costs.py --models ResNet50 --size 96 --batch 16
     python benchmarks/measured_costs.py --models MobileNetV2 --policy mixed_float16
+    python benchmarks/measured_costs.py --models transformer --size 256 --batch 8 --depth 4
     python benchmarks/measured_costs.py --targets             # exit 1 unless every measured-
                                                               # costs prediction is within 15%
 """
@@ -29,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.models import command
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MiB = 2**20
@@ -42,20 +46,27 @@ STRATEGIES = {
 }
 
 
-def _model(name: str, size: int, batch: int):
+def _model(name: str, size: int, batch: int, depth: int):
+    """The weights and the training loss of `name`: a command model (`command.KINDS`, at
+    `depth` blocks and the kind's width) or a keras.applications one."""
+    if name in command.KINDS:
+        kind = command.KINDS[name]
+        model = command.build(name, depth, command.Shape(batch, kind.width, size))
+        return model.variables, lambda: model.loss(command.unwrapped)
     keras.utils.set_random_seed(0)
-    model = getattr(keras.applications, name)(
+    network = getattr(keras.applications, name)(
         weights=None, input_shape=(size, size, 3), classes=10
     )
     x = tf.constant(np.random.default_rng(0).random((batch, size, size, 3), np.float32))
-    return model, x
+    return network.trainable_variables, lambda: tf.reduce_sum(
+        tf.cast(network(x, training=True), tf.float32)
+    )
 
 
-def _step(model, x, checkpoints=None, costs=None, plans=None):
+def _step(weights, loss_of, checkpoints=None, costs=None, plans=None):
     @tf.function
     def step():
-        loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
-        weights = model.trainable_variables
+        loss = loss_of()
         if checkpoints is None:
             grads = tf.gradients(loss, weights)
         else:
@@ -66,9 +77,11 @@ def _step(model, x, checkpoints=None, costs=None, plans=None):
     return step
 
 
-def bench(name: str, size: int, batch: int, strategies: list[str], repeats: int) -> list[dict]:
-    model, x = _model(name, size, batch)
-    plain = _step(model, x)
+def bench(
+    name: str, size: int, batch: int, depth: int, strategies: list[str], repeats: int
+) -> list[dict]:
+    weights, loss_of = _model(name, size, batch, depth)
+    plain = _step(weights, loss_of)
     start = time.perf_counter()
     costs = msg.measure_costs(plain)
     measuring = time.perf_counter() - start
@@ -80,7 +93,7 @@ def bench(name: str, size: int, batch: int, strategies: list[str], repeats: int)
         for source in ("static", "measured"):
             plans: list = []
             step = _step(
-                model, x, STRATEGIES[label], costs if source == "measured" else None, plans
+                weights, loss_of, STRATEGIES[label], costs if source == "measured" else None, plans
             )
             step()
             plan = plans[0]
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["ConvNeXtTiny"])
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=4, help="blocks of a command model")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--policy", default="float32")
     parser.add_argument("--repeats", type=int, default=5)
@@ -123,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     keras.mixed_precision.set_global_policy(args.policy)
     rows = []
     for name in args.models:
-        rows += bench(name, args.size, args.batch, args.strategies, args.repeats)
+        rows += bench(name, args.size, args.batch, args.depth, args.strategies, args.repeats)
     missed = [
         r for r in rows
         if r["costs"] == "measured"
