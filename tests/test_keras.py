@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.integrations.keras import _gradients_held
+from memory_saving_gradients.integrations.keras import _fused_momentum_step, _gradients_held
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, recomputed_copies
 
@@ -339,6 +339,57 @@ def test_updates_after_their_gradients_train_as_plain(optimizer):
         models[1].optimizer.variables, models[0].optimizer.variables, strict=True
     ):
         np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_updates_in_one_kernel_as_keras_computes_them(nesterov):
+    """The enabled step's SGD momentum update (NOTE [fused momentum]) is one kernel, and
+    leaves the variable and its velocity as Keras's five kernels do."""
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal((64, 32)).astype("f4")
+    gradients = [rng.standard_normal((64, 32)).astype("f4") for _ in range(3)]
+    results = []
+    for fused in (False, True):
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov)
+        variable = keras.Variable(start)
+        optimizer.build([variable])
+        update_step = _fused_momentum_step(optimizer) if fused else optimizer.update_step
+        update = _traced_update(update_step, variable)
+        for gradient in gradients:
+            update(tf.constant(gradient))
+        kernels = {
+            op.type for op in update.get_concrete_function(gradients[0]).graph.get_operations()
+        }
+        results.append((variable.numpy(), optimizer.momentums[0].numpy(), kernels))
+    (keras_variable, keras_velocity, keras_kernels), (variable, velocity, kernels) = results
+    np.testing.assert_allclose(variable, keras_variable, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(velocity, keras_velocity, rtol=1e-6, atol=1e-7)
+    assert "Mul" in keras_kernels
+    assert "ResourceApplyKerasMomentum" in kernels and "Mul" not in kernels
+
+
+def _traced_update(update_step, variable: keras.Variable):
+    """`update_step` of `variable` at a learning rate of 0.05, as a `tf.function` of the
+    gradient (as Keras traces it: on the TensorFlow variable)."""
+
+    @tf.function
+    def update(gradient):
+        update_step(gradient, variable.value, tf.constant(0.05))
+
+    return update
+
+
+class _OwnSGD(keras.optimizers.SGD):
+    """A subclass, which may change the update: it keeps its own."""
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [keras.optimizers.SGD(0.01), _OwnSGD(0.01, momentum=0.9), keras.optimizers.Adam()],
+    ids=["sgd-without-momentum", "sgd-subclass", "adam"],
+)
+def test_other_optimizers_keep_their_own_update(optimizer):
+    assert _fused_momentum_step(optimizer) is None
 
 
 def momentum_step_peak_mib(enabled: bool) -> float:

@@ -153,7 +153,8 @@ def _updates_after_gradients(
     optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
     wrapped = [o for o in optimizers if o is not None and "update_step" not in vars(o)]
     for wrapped_optimizer in wrapped:
-        wrapped_optimizer.update_step = _after_gradient(wrapped_optimizer.update_step, made)
+        update_step = _fused_momentum_step(wrapped_optimizer) or wrapped_optimizer.update_step
+        wrapped_optimizer.update_step = _after_gradient(update_step, made)
     try:
         yield
     finally:
@@ -174,6 +175,37 @@ def _after_gradient(update_step, made: dict[int, tf.Tensor]):
             return update_step(gradient, variable, learning_rate)
 
     return update_step_after_gradient
+
+
+# NOTE [fused momentum]: Keras's SGD with momentum updates a variable in five kernels
+# (momentum * velocity, rate * gradient, their difference, its assignment to the velocity,
+# its addition to the variable), each result a buffer the size of the variable. The executor
+# runs the first as soon as the gradient exists, then may run backprop's next ops first, so
+# the updates begun wait half done, each holding its buffers (ResNet50 96x96, batch 16,
+# 'speed': 30 MiB, 181-206 MiB against 153-163). TensorFlow's ResourceApplyKerasMomentum is
+# the same update, defined by Keras's formula (velocity = momentum * velocity - rate *
+# gradient; variable += velocity, or += momentum * velocity - rate * gradient with
+# Nesterov), in one kernel that writes both variables in place.
+def _fused_momentum_step(optimizer: keras.optimizers.Optimizer):
+    """Keras's SGD momentum `update_step` as one kernel (NOTE [fused momentum]), for a plain
+    `keras.optimizers.SGD` with momentum; None for any other optimizer, subclasses included.
+    Finds each variable's velocity by Keras's `_get_variable_index`."""
+    if type(optimizer) is not keras.optimizers.SGD or not optimizer.momentum:
+        return None
+
+    def fused_update_step(gradient, variable, learning_rate):
+        velocity = optimizer.momentums[optimizer._get_variable_index(variable)]
+        dtype = variable.dtype
+        tf.raw_ops.ResourceApplyKerasMomentum(
+            var=_as_tf_variable(variable).handle,
+            accum=_as_tf_variable(velocity).handle,
+            lr=tf.cast(learning_rate, dtype),
+            grad=tf.cast(gradient, dtype),
+            momentum=tf.cast(optimizer.momentum, dtype),
+            use_nesterov=optimizer.nesterov,
+        )
+
+    return fused_update_step
 
 
 def _as_tf_variable(variable):
