@@ -19,6 +19,12 @@ from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import measured
 from memory_saving_gradients.analysis.measured import MeasuredCosts
 
+#: How long the profiler keeps recording after the profiled step returns. An executor thread
+#: records an asynchronous kernel's event (a function call's) when the kernel's call returns,
+#: which can be after the done callback has finished the step and woken Python: stopping at
+#: once loses that kernel, often the step's longest (seen under load on two cores).
+_LATE_EVENTS_SECONDS = 0.25
+
 
 def peak_memory(run_step: Callable[[], object], device: str = "CPU:0", warmup: int = 1) -> int:
     """Bytes `run_step()` needs on `device` at its peak beyond what was already resident.
@@ -87,6 +93,7 @@ def measure_costs(
             start = time.perf_counter()
             profiled_peak = peak_memory(run_step, device, warmup=0)
             profiled_time = time.perf_counter() - start
+            time.sleep(_LATE_EVENTS_SECONDS)
         finally:
             tf.profiler.experimental.stop()
         kernels = measured.kernel_records(_tf.read_profile(directory))
