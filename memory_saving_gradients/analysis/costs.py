@@ -78,11 +78,10 @@ def runs_cpu_kernels(op: tf.Operation) -> bool:
     return device_type == "CPU" if device_type else not tf.config.get_visible_devices("GPU")
 
 
-def kernels_side_by_side() -> bool:
-    """Whether the executor may run two ready kernels at once: its inter-op pool has more
-    than one thread (by default one per core). A Session's own thread pool is not seen."""
-    threads = tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
-    return threads > 1
+def inter_op_threads() -> int:
+    """Threads of the executor's inter-op pool: as configured, else one per core. A
+    Session's own thread pool is not seen."""
+    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
 
 
 def working_bytes(

@@ -1,10 +1,12 @@
 """The memory a training step needs, simulated: bytes alive as the executor runs it.
 
-A step is simulated op by op, forward in the view's topological order, then backward in
-reverse, the way TensorFlow's executor runs a backward pass the gates order. An op's outputs
-are allocated while its inputs are still alive; then every buffer no tensor needs any more is
-freed. Tensors share buffers where TensorFlow's kernels share them: reshapes and identities
-alias their input, element-wise kernels write into an input buffer nothing else needs
+A step is simulated op by op, forward in the view's topological order, then backward the
+way TensorFlow's executor runs a backward pass the gates order: with one inter-op thread in
+reverse, with more the gradients of independent branches side by side, each holding what it
+made and read until it finishes (`executor`). An op's outputs are allocated while its inputs
+are still alive; then every buffer no tensor needs any more is freed. Tensors share buffers
+where TensorFlow's kernels share them: reshapes and identities alias their input,
+element-wise kernels write into an input buffer nothing else needs
 (`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
 that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
 function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on
@@ -32,12 +34,16 @@ them, and frees the boundaries no later step reads (`peaks`). Under XLA a step a
 what its matmuls and convolutions read through its gate (`Simulator.gate_copies`). A
 recomputed op whose outputs nothing reads is not run: the executor prunes it.
 
-What this leaves out, measured against TensorFlow (benchmarks/cost_model.py): the executor
-times ops to choose which of the ready ones wait, so it may run a gradient's ops that read
-only forward tensors before the gradient arrives, or leave a weight gradient queued, and hold
-their tensors meanwhile; and graph optimizers rewrite gradients (an attention's softmax
-gradient times its scale becomes a product with `softmax * scale`, computed as soon as the
-softmax is recomputed).
+What this leaves out, measured against TensorFlow (benchmarks/cost_model.py,
+benchmarks/measured_costs.py): the executor times ops to choose which of the ready ones
+wait, so it may run a gradient's ops that read only forward tensors before the gradient
+arrives, or leave a weight gradient queued, and hold their tensors meanwhile; recomputation
+runs one op at a time; and graph optimizers rewrite gradients. Grappler's constant push-down
+turns `(sub * softmax) * scale`, the gradient of a scaled softmax (Keras's attention), into
+`sub * (softmax * scale)` or `(sub * scale) * softmax`, by the order of the product's inputs
+as it finds them (on the command's transformer, renaming the recomputed ops flips it): the
+first computes `softmax * scale` as soon as the softmax is recomputed and holds it until the
+gradient arrives.
 
 Peaks count bytes above what is resident before the step: variables, constants, inputs.
 """

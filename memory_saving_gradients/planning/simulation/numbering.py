@@ -28,6 +28,8 @@ class Numbering:
         by an op of the view or is an x.
       open: the ids of the tensors whose static shape is not fully known.
       readers: for each id, how many ops of the view read it.
+      makers: for each op, the ops making the inputs it passes gradients to, once per
+        input: its gradient runs before theirs.
       gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
         position.
       gradient_parts: for each id, how many ops' gradients make a part of its gradient.
@@ -41,6 +43,7 @@ class Numbering:
     receives_gradient: tuple[bool, ...]
     open: frozenset[int]
     readers: tuple[int, ...]
+    makers: tuple[tuple[int, ...], ...]
     gradient_reads: tuple[tuple[int, ...], ...]
     gradient_parts: tuple[int, ...]
 
@@ -74,12 +77,19 @@ class Numbering:
             outputs.append(tuple(number(t) for t in op.outputs))
         for y in view.ys:
             number(y)
-        made = {t for ts in outputs for t in ts}
-        receives_gradient = tuple(i in made or i in xs for i in range(len(tensors)))
+        maker = {t: position for position, ts in enumerate(outputs) for t in ts}
+        receives_gradient = tuple(i in maker or i in xs for i in range(len(tensors)))
         readers, parts = [0] * len(tensors), [0] * len(tensors)
-        gradient_reads = []
+        gradient_reads, makers = [], []
         for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
             cost = view.costs[op]
+            makers.append(
+                tuple(
+                    maker[t]
+                    for t, needed in zip(ins, cost.needed, strict=True)
+                    if needed and t in maker
+                )
+            )
             for t in set(ins):
                 readers[t] += 1
             for t, needed in zip(ins, cost.needed, strict=True):
@@ -96,6 +106,7 @@ class Numbering:
             receives_gradient=receives_gradient,
             open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
             readers=tuple(readers),
+            makers=tuple(makers),
             gradient_reads=tuple(gradient_reads),
             gradient_parts=tuple(parts),
         )

@@ -13,6 +13,7 @@ import tensorflow as tf
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.simulation import executor
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
 from memory_saving_gradients.planning.simulation.numbering import Numbering
 
@@ -39,8 +40,11 @@ class Simulator:
         self.gradient_steps: dict[tuple, tuple] = {}
         #: The buffers alive, and the most bytes alive at once.
         self.ledger = Ledger()
-        #: Whether the kernels of one gradient run side by side (`costs.kernels_side_by_side`).
-        self.side_by_side = costs.kernels_side_by_side()
+        #: Threads of the executor's inter-op pool: with more than one, ready gradients run
+        #: side by side (`executor`), and so do the kernels of one gradient.
+        self.threads = costs.inter_op_threads()
+        #: How long each op's gradient runs, by position: about twice its op's compute.
+        self.gradient_seconds = [2.0 * cost.compute for cost in self.cost]
         #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
         self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
         #: Gradient parts received for each tensor, not summed yet.
@@ -189,10 +193,12 @@ class Simulator:
         own parts), and all its parts once none is to come from anywhere."""
         ledger = self.ledger
         at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
+        events = self._backward_events(ops)
         last_reader: dict[int, int] = {}
-        for op in ops:
-            for t in self.read[op]:
-                last_reader.setdefault(t, op)
+        for op, starting in reversed(events):
+            if not starting:
+                for t in self.read[op]:
+                    last_reader.setdefault(t, op)
         # The parts each tensor is to receive from `ops`, and how many it had before.
         pending: dict[int, int] = {}
         before: dict[int, int] = {}
@@ -201,19 +207,24 @@ class Simulator:
                 if needed:
                     pending[t] = pending.get(t, 0) + 1
                     before.setdefault(t, len(self.parts.get(t, ())))
-        for op in reversed(ops):
-            copy = op in recomputed
-            read: dict[int, Buffer | None] = {}
-            done = []
-            for t in self.read[op]:
-                here = copy and t in at_level
-                buffer = ledger.buffer(t, chain if here or not copy else outer)
-                read[t] = buffer
-                released_here = here or not copy or t in inherited
-                if last_reader[t] == op and released_here and buffer is not None:
-                    done.append(buffer)
-            received = self._differentiate_op(op, read, done)
-            for buffer in done:
+        running: dict[int, tuple[list[int], list[Buffer]]] = {}
+        for op, starting in events:
+            if starting:
+                copy = op in recomputed
+                read: dict[int, Buffer | None] = {}
+                done = []
+                for t in self.read[op]:
+                    here = copy and t in at_level
+                    buffer = ledger.buffer(t, chain if here or not copy else outer)
+                    read[t] = buffer
+                    released_here = here or not copy or t in inherited
+                    if last_reader[t] == op and released_here and buffer is not None:
+                        done.append(buffer)
+                received, spent = self._differentiate_op(op, read, done)
+                running[op] = (received, done + spent)
+                continue
+            received, spent = running.pop(op)
+            for buffer in spent:
                 ledger.release(buffer)
             for t in received:
                 pending[t] -= 1
@@ -225,17 +236,28 @@ class Simulator:
                     parts[before[t] :] = [self._sum(parts[before[t] :])]
             self._apply_completed_gradients(op)
 
+    def _backward_events(self, ops: Sequence[int]) -> list[executor.Event]:
+        """When the gradients of `ops` start and finish on the executor's threads
+        (`executor`): each waits for the gradients of the ops reading what its op makes."""
+        if self.threads == 1:
+            return executor.backward_events(ops, {}, self.gradient_seconds, 1)
+        members = set(ops)
+        makers = self.ids.makers
+        unblocks = {op: [m for m in makers[op] if m in members] for op in ops}
+        return executor.backward_events(ops, unblocks, self.gradient_seconds, self.threads)
+
     def _differentiate_op(
         self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
-    ) -> list[int]:
+    ) -> tuple[list[int], list[Buffer]]:
         """Make the gradients of `op`'s inputs from those of its outputs, running its gradient
         function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`); an
         element-wise op may write into a buffer nothing else needs: a temporary it reads for
         the last time, the arriving gradient, or one of `dying` (what backprop reads for the
-        last time here). Returns the inputs that received a gradient part."""
+        last time here). Returns the inputs that received a gradient part, and the
+        gradients it read, which it lets go when it finishes."""
         incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
         if all(b is None for b in incoming):
-            return []
+            return [], []
         cost, inputs = self.cost[op], self.ids.inputs[op]
         gets_gradient = self.ids.receives_gradient
         wanted = [want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)]
@@ -253,9 +275,7 @@ class Simulator:
             if buffer is not None:
                 self.parts.setdefault(t, []).append(buffer)
                 received.append(t)
-        for buffer in incoming:
-            self.ledger.release(buffer)
-        return received
+        return received, [b for b in incoming if b is not None]
 
     def _run_gradient(
         self,
@@ -311,7 +331,7 @@ class Simulator:
                 value[t] = buffer
                 made.add(t)
             if step.working and not folded and self.cost[op].gradient_working is None:
-                ledger.working(working if self.side_by_side else step.working)
+                ledger.working(working if self.threads > 1 else step.working)
             for t in step.outputs:
                 if t not in readers and t not in returned:
                     ledger.release(value[t])
