@@ -38,6 +38,31 @@ def test_gradient_ops_are_charged_to_the_op_they_differentiate():
     assert measured.differentiated_op("dense/MatMul", forward) is None
 
 
+def test_a_gradients_kernels_hold_their_scratch_together_on_more_than_one_thread():
+    """A convolution's input and filter gradients are ready at once: two inter-op threads run
+    them side by side, so a plan counts both kernels' scratch; one thread, the larger."""
+    costs = measured.MeasuredCosts(
+        kernels={
+            "conv/Conv2D": measured.KernelRecord("_MklConv2D", 1e-3, 0, 4),
+            "gradients/conv/Conv2D_grad/Conv2DBackpropInput": measured.KernelRecord(
+                "Conv2DBackpropInput", 2e-3, 27 * 2**20, 4
+            ),
+            "gradients/conv/Conv2D_grad/Conv2DBackpropFilter": measured.KernelRecord(
+                "Conv2DBackpropFilter", 2e-3, 39 * 2**20, 4
+            ),
+            "gradients/conv/Conv2D_grad/ShapeN": measured.KernelRecord("ShapeN", 1e-6, 0, 0),
+        },
+        peak_bytes=0,
+        step_seconds=0.0,
+        kernel_seconds=0.0,
+    )
+    convolution = costs.for_ops(["conv/Conv2D"])["conv/Conv2D"]
+    assert convolution.gradient_scratch_bytes == 39 * 2**20
+    assert convolution.gradient_scratch_at_once(1) == 39 * 2**20
+    assert convolution.gradient_scratch_at_once(2) == 66 * 2**20
+    assert convolution.gradient_scratch_at_once(16) == 66 * 2**20
+
+
 def _space(events):
     """An XSpace of one plane and one line holding `events`: (name, start µs, duration µs,
     stats)."""

@@ -297,8 +297,9 @@ class OpCost:
         measured).
       flops: its compute.
       seconds: its kernel's measured time; None where costs are static.
-      gradient_working: the most bytes a kernel of its gradient held for itself, measured;
-        None where costs are static (each gradient step's `working` counts instead).
+      gradient_working: the most bytes its gradient's kernels held for themselves at once,
+        measured (`measured.OpMeasurement.gradient_scratch_at_once`); None where costs are
+        static (each gradient step's `working` counts instead).
     """
 
     output_bytes: tuple[int, ...]
@@ -351,12 +352,12 @@ def measured_cost(cost: OpCost, measurement: measured.OpMeasurement | None) -> O
     show (folded, pruned, fused into another op, which carries the fused kernel's costs)
     measured nothing."""
     if measurement is None:
-        measurement = measured.OpMeasurement(0.0, 0, 0.0, 0)
+        measurement = measured.OpMeasurement(0.0, 0, 0.0, ())
     return dataclasses.replace(
         cost,
         working=measurement.scratch_bytes,
         seconds=measurement.seconds,
-        gradient_working=measurement.gradient_scratch_bytes,
+        gradient_working=measurement.gradient_scratch_at_once(inter_op_threads()),
     )
 
 
