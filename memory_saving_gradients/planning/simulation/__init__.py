@@ -25,7 +25,8 @@ What a gradient computes from constants alone (the seed of the loss, static shap
 ahead of the step, as graph optimizers do. A kernel's own buffers (`costs.working_bytes`) are
 alive while it runs, beside its inputs and outputs; with more than one inter-op thread,
 those of one gradient's kernels together (the two products of a MatMul's gradient are ready
-at once, and the executor runs them side by side).
+at once, and the executor runs them side by side; measured, the largest as many as there are
+threads: `measured.OpMeasurement.gradient_scratch_at_once`).
 
 With checkpoints, the forward pass keeps only the boundaries and what the last segment's
 gradients read; each step then recomputes its segments into new buffers (with nested
