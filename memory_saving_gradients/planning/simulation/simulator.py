@@ -184,13 +184,16 @@ class Simulator:
         recomputed: Iterable[int] = (),
         inherited: frozenset[int] = frozenset(),
     ) -> None:
-        """Differentiate `ops` from last to first: the copies at level `chain[0]` of those
-        `recomputed`, the ops of the levels copied from otherwise. What a gradient reads is
-        released after the last gradient reading it: a copy's own outputs and `inherited`
-        inputs, and what an op not recomputed here reads (held for that in `forward`); a
-        copy's other inputs are the step's to release. The gradient parts a tensor receives
-        from `ops` are summed once the last of them has arrived (one gradient call sums its
-        own parts), and all its parts once none is to come from anywhere."""
+        """Differentiate `ops` as the executor's threads run their gradients
+        (`_backward_events`; one thread: from last to first): the copies at level `chain[0]`
+        of those `recomputed`, the ops of the levels copied from otherwise. A gradient
+        allocates what it makes when it starts and lets go of what it read when it finishes.
+        What a gradient reads is released after the last gradient reading it finishes: a
+        copy's own outputs and `inherited` inputs, and what an op not recomputed here reads
+        (held for that in `forward`); a copy's other inputs are the step's to release. The
+        gradient parts a tensor receives from `ops` are summed once the last of them has
+        arrived (one gradient call sums its own parts), and all its parts once none is to
+        come from anywhere."""
         ledger = self.ledger
         at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
         events = self._backward_events(ops)
