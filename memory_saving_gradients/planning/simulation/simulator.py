@@ -40,13 +40,15 @@ class Simulator:
         self.gradient_steps: dict[tuple, tuple] = {}
         #: The buffers alive, and the most bytes alive at once.
         self.ledger = Ledger()
-        #: Threads of the executor's inter-op pool: with more than one, ready gradients run
-        #: side by side (`executor`), and so do the kernels of one gradient.
-        self.threads = costs.inter_op_threads()
-        #: How long each op's gradient runs, by position: about twice its op's compute.
-        self.gradient_seconds = [2.0 * cost.compute for cost in self.cost]
         #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
         self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
+        #: Threads running the step's ops: with more than one, ready gradients run side by
+        #: side (`executor`), and so do the kernels of one gradient. XLA runs its compiled
+        #: schedule one op at a time (two branches' matmul gradients: 6.2 MB measured, the
+        #: one-thread order's 6).
+        self.threads = 1 if self.xla else costs.inter_op_threads()
+        #: How long each op's gradient runs, by position: about twice its op's compute.
+        self.gradient_seconds = [2.0 * cost.compute for cost in self.cost]
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
