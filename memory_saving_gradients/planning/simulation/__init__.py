@@ -2,8 +2,9 @@
 
 A step is simulated op by op, forward in the view's topological order, then backward the
 way TensorFlow's executor runs a backward pass the gates order: with one inter-op thread (or
-under XLA, whose schedule runs one op at a time) in reverse, with more the gradients of independent branches side by side, each holding what it
-made and read until it finishes (`executor`). An op's outputs are allocated while its inputs
+under XLA, whose schedule runs one op at a time) in reverse, with more the gradients of
+independent branches side by side, each holding what it made and read until it finishes
+(`executor`). An op's outputs are allocated while its inputs
 are still alive; then every buffer no tensor needs any more is freed. Tensors share buffers
 where TensorFlow's kernels share them: reshapes and identities alias their input,
 element-wise kernels write into an input buffer nothing else needs
