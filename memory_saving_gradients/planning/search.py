@@ -9,10 +9,12 @@ that fits is kept. Every knob of this search, and of the cut search's, is in `tu
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TypeGuard
 
+import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients.analysis.view import ForwardView
@@ -71,85 +73,122 @@ def within_budget(
     Each of `saveable` is a set of tensors that plans may keep inside their segments
     (selective recomputation: one level of cuts, the ops of those tensors never recomputed);
     of the plans that fit, with each set and with none, the one recomputing least wins.
+    Simulating plans is most of what planning costs, so the sets are searched in the order
+    of the least their plans can recompute (the plan for the largest model peak the budget
+    allows, built but not simulated), and the search stops at a set that cannot recompute
+    less than the best plan found (1000-block MLP of `benchmarks/build_time.py`, 'balanced':
+    eight sets, of which the first searched wins).
     """
-    first = _within_budget(view, budget, plain, label, headroom)
-    assert first is not None  # plans saving nothing always give one
-    plans = [first]
-    for saved in saveable:
-        if saved and (plan := _within_budget(view, budget, plain, label, headroom, saved)):
-            plans.append(plan)
-    fitting = [plan for plan in plans if plan.peak_bytes <= budget - headroom]
-    if not fitting:
-        return first
-    return min(fitting, key=lambda plan: (plan.recompute_flops_fraction, plan.peak_bytes))
+    if budget >= plain:
+        return Plan(view, [()], label, plain)
+    searches = [
+        _BudgetSearch(view, budget - headroom, plain, label, saved)
+        for saved in ((), *(saved for saved in saveable if saved))
+    ]
+    best: Plan | None = None
+    for each in sorted(searches, key=lambda each: each.least_recompute):
+        cheaper_than = np.inf if best is None else best.recompute_flops_fraction
+        if each.least_recompute >= cheaper_than:
+            break
+        plan = each.one_level(cheaper_than)
+        if plan is not None and (
+            best is None
+            or (plan.recompute_flops_fraction, plan.peak_bytes)
+            < (best.recompute_flops_fraction, best.peak_bytes)
+        ):
+            best = plan
+    return best if best is not None else searches[0].nested(budget)
 
 
-def _within_budget(
-    view: ForwardView,
-    budget: float,
-    plain: int,
-    label: str,
-    headroom: int,
-    saved: Sequence[tf.Tensor] = (),
-) -> Plan | None:
-    """`within_budget` for one set of `saved` tensors (None where one level with them does
-    not fit; plans saving nothing nest where one level does not fit, and end in the plan with
-    the smallest predicted peak, logged where it does not fit).
+class _BudgetSearch:
+    """The search for a budget's plan among those keeping one set of `saved` tensors inside
+    their segments (none: every plan, nested ones too).
 
     Where one level of cuts reaches the budget, the largest model peak whose plan fits is
     bisected between one level's least and the budget scaled to the model; below, nested
     plans are tried for model peaks tightened until one fits, and then the plan with the
     smallest predicted peak, which may still fit.
     """
-    order = cut_search.Order.of(view, view.costs, saved)
-    if budget >= plain or not len(order.ops):
-        return Plan(view, [()], label, plain)
 
-    def plan_for(model_peak: float, nesting: int) -> Plan | None:
-        cuts = cut_search.within(order, model_peak, nesting=nesting)
-        return (
-            None
-            if cuts is None
-            else Plan(view, cut_search.checkpoints_of(order, cuts), label, plain, saved)
-        )
+    def __init__(
+        self,
+        view: ForwardView,
+        usable: float,
+        plain: int,
+        label: str,
+        saved: Sequence[tf.Tensor] = (),
+    ) -> None:
+        self.view, self.usable, self.plain, self.label, self.saved = (
+            view, usable, plain, label, saved
+        )  # fmt: skip
+        self.order = cut_search.Order.of(view, view.costs, saved)
+        self.target = usable * self.order.segment_peak() / plain if plain else usable
+        if len(self.order.ops):
+            flat, self.flat_peak = cut_search.smallest_peak(self.order)
+            self.least = self._plan(flat)
+            self.widest = self._plan_for(max(self.target, self.flat_peak), nesting=0)
 
-    usable = budget - headroom
+    @functools.cached_property
+    def least_recompute(self) -> float:
+        """The least any one-level plan of this search may recompute: the widest one's."""
+        if not len(self.order.ops):
+            return np.inf
+        widest = self.widest or self.least
+        return widest.recompute_flops_fraction
 
-    def fits(plan: Plan | None) -> TypeGuard[Plan]:
-        return plan is not None and plan.peak_bytes <= usable
-
-    flat, flat_peak = cut_search.smallest_peak(order)
-    least = Plan(view, cut_search.checkpoints_of(order, flat), label, plain, saved)
-    target = usable * order.segment_peak() / plain if plain else usable
-    if fits(least):
-        if fits(widest := plan_for(max(target, flat_peak), nesting=0)):
-            return widest
-        fitting, low, high = least, flat_peak, max(target, flat_peak)
+    def one_level(self, cheaper_than: float = np.inf) -> Plan | None:
+        """The one-level plan recomputing least that fits and recomputes less than
+        `cheaper_than`, bisected on the model peak; None where there is none."""
+        if not len(self.order.ops) or not self._fits(self.least):
+            return None
+        if self._fits(self.widest):
+            return self.widest
+        fitting, low, high = self.least, self.flat_peak, max(self.target, self.flat_peak)
         for _ in range(tunables.BUDGET_BISECTIONS):
             middle = (low + high) / 2
-            if fits(plan := plan_for(middle, nesting=0)):
+            plan = self._plan_for(middle, nesting=0)
+            # A plan recomputing too much loses, and so do those for smaller model peaks.
+            if plan is not None and plan.recompute_flops_fraction >= cheaper_than:
+                low = middle
+            elif self._fits(plan):
                 fitting, low = plan, middle
             else:
                 high = middle
-        return fitting
-    if saved:
-        return None
-    for _ in range(tunables.BUDGET_BISECTIONS):
-        plan = plan_for(target, nesting=tunables.MAX_NESTING)
-        if plan is None:
-            break
-        if fits(plan):
-            return plan
-        target *= 0.98 * usable / plan.peak_bytes
-    smallest = _smallest(view, order, label, plain)
-    if smallest.peak_bytes <= budget:
+        return fitting if fitting.recompute_flops_fraction < cheaper_than else None
+
+    def nested(self, budget: float) -> Plan:
+        """Nested plans for model peaks tightened until one fits; else the plan with the
+        smallest predicted peak, logged unless it is within `budget`."""
+        if not len(self.order.ops):
+            return Plan(self.view, [()], self.label, self.plain)
+        target = self.target
+        for _ in range(tunables.BUDGET_BISECTIONS):
+            plan = self._plan_for(target, nesting=tunables.MAX_NESTING)
+            if plan is None:
+                break
+            if self._fits(plan):
+                return plan
+            target *= 0.98 * self.usable / plan.peak_bytes
+        smallest = _smallest(self.view, self.order, self.label, self.plain)
+        if smallest.peak_bytes > budget:
+            logger.warning(
+                "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB "
+                "(%.2f of plain backprop's %.1f MiB); using the checkpoints that give it.",
+                self.label, budget / MIB, smallest.peak_bytes / MIB,
+                smallest.peak_bytes / self.plain, self.plain / MIB,
+            )  # fmt: skip
         return smallest
-    logger.warning(
-        "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB (%.2f of "
-        "plain backprop's %.1f MiB); using the checkpoints that give it.",
-        label, budget / MIB, smallest.peak_bytes / MIB, smallest.peak_bytes / plain, plain / MIB,
-    )  # fmt: skip
-    return smallest
+
+    def _plan(self, cuts: cut_search.Cuts) -> Plan:
+        checkpoints = cut_search.checkpoints_of(self.order, cuts)
+        return Plan(self.view, checkpoints, self.label, self.plain, self.saved)
+
+    def _plan_for(self, model_peak: float, nesting: int) -> Plan | None:
+        cuts = cut_search.within(self.order, model_peak, nesting=nesting)
+        return None if cuts is None else self._plan(cuts)
+
+    def _fits(self, plan: Plan | None) -> TypeGuard[Plan]:
+        return plan is not None and plan.peak_bytes <= self.usable
 
 
 def least_peak_saving(view: ForwardView, saved: Sequence[tf.Tensor], label: str) -> Plan:
