@@ -151,7 +151,7 @@ def test_returned_gradients_are_placed_and_colocated_like_tensorflows():
         gates = [
             op
             for op in graph.get_operations()
-            if op.type == "StridedSlice" and op.inputs[1].op.type == "Fill"  # not the zero
+            if op.type == "Slice" and op.inputs[1].op.type == "Fill"
         ]
         assert gates
         for gate in gates:

@@ -106,3 +106,32 @@ def test_gate_under_xla_passes_values_exactly_through_a_data_dependency():
     np.testing.assert_array_equal(gn.numpy(), n.numpy())
     np.testing.assert_array_equal(gb.numpy(), b.numpy())
     assert seen == {"passed": True, "reads": [True, True, True], "control": []}
+
+
+def _optimized_graph_nodes(graph: tf.Graph, fetches) -> list:
+    """The nodes of `graph` as grappler left them, for a run of `fetches`."""
+    metadata = tf1.RunMetadata()
+    with tf1.Session(graph=graph) as session:
+        session.run(tf1.global_variables_initializer())
+        session.run(
+            fetches,
+            options=tf1.RunOptions(output_partition_graphs=True),
+            run_metadata=metadata,
+        )
+    return [node for partition in metadata.partition_graphs for node in partition.node]
+
+
+def test_graph_optimizers_see_the_static_shape_of_what_passes_a_gate():
+    """Grappler knows the shape a gate passes on as Python does, so it treats what reads it
+    as it treats the original readers: a convolution's input gradient takes its input's shape
+    as a constant, where a shape unknown to grappler leaves a ShapeN run every step."""
+    with tf.Graph().as_default() as graph:
+        x = tf.Variable(tf.ones([2, 8, 8, 3])).read_value()
+        w = tf.Variable(tf.ones([3, 3, 3, 4]))
+        wait = tf.reduce_sum(tf.sin(x))
+        (gated,), _ = gates.gate([x], wait, [], scope="step/")
+        y = tf.nn.conv2d(gated, w, 1, "SAME")
+        (input_gradient,) = tf.gradients(tf.reduce_sum(y * y), [gated])
+    nodes = _optimized_graph_nodes(graph, input_gradient)
+    assert any(node.name.startswith("step/") for node in nodes)  # the gate is there
+    assert not [node.name for node in nodes if node.op == "ShapeN"]

@@ -116,7 +116,7 @@ def test_gradients_use_a_plan_as_it_is():
             op.inputs[0].ref()
             for op in graph.get_operations()
             if "/step_" in op.name
-            and op.type == "StridedSlice"
+            and op.type == "Slice"
             and op.inputs[0].op.type in ("MatMul", "Tanh")
             and "gradients" not in op.inputs[0].name
         }

