@@ -192,3 +192,48 @@ def test_nested_recomputation_gives_tf_gradients(model_name):
             session.run(tf1.global_variables_initializer())
             want, have = session.run([reference, got], {x: model.x})
     assert_same_gradients(want, have)
+
+
+def _scales_of_softmax(graph: tf.Graph, fetches) -> list[str]:
+    """The products of a softmax with a constant that grappler left in `graph` for a run of
+    `fetches`."""
+    metadata = tf1.RunMetadata()
+    with tf1.Session(graph=graph) as session:
+        session.run(tf1.global_variables_initializer())
+        options = tf1.RunOptions(output_partition_graphs=True)
+        session.run(fetches, options=options, run_metadata=metadata)
+    nodes = {node.name: node for graph in metadata.partition_graphs for node in graph.node}
+    kinds = [
+        [nodes[name.split(":")[0]].op for name in node.input if not name.startswith("^")]
+        for node in nodes.values()
+        if node.op == "Mul"
+    ]
+    return [
+        f"{a} * {b}"
+        for a, b in kinds
+        if {a.removeprefix("_Mkl"), b} == {"Softmax", "Const"}  # oneDNN's softmax is _MklSoftmax
+    ]
+
+
+def test_a_recomputed_scaled_softmax_is_differentiated_as_tf_gradients_has_it():
+    """NOTE [names of recomputed ops]: grappler pairs the scale of a scaled softmax's gradient
+    with the incoming gradient, as under tf.gradients, not with the recomputed softmax (which
+    would run as soon as the softmax is recomputed and hold its product until the gradient
+    arrives)."""
+    with tf.Graph().as_default() as graph:
+        rng = np.random.default_rng(0)
+        h = tf.Variable(rng.standard_normal((2, 32, 8)).astype(np.float32)).read_value()
+        x = h
+        kept = []
+        for _ in range(3):
+            with tf.name_scope("scaled_attention"):
+                scores = tf.matmul(h, h, transpose_b=True) * 0.25
+                h = tf.tanh(tf.matmul(tf.nn.softmax(scores), h))
+                kept.append(h)
+        loss = tf.reduce_sum(h)
+        reference = tf1.gradients(loss, [x])
+        got = msg.gradients(loss, [x], checkpoints=kept[:1])
+        recomputed = [op for op in recomputed_copies(graph) if op.type == "Softmax"]
+    assert recomputed
+    assert _scales_of_softmax(graph, reference) == []
+    assert _scales_of_softmax(graph, got) == []

@@ -147,8 +147,10 @@ class _Backprop:
         targets: Sequence[_Target],
         copies: dict[tf.Operation, tf.Operation],
         colocate: bool = True,
+        name: str = "segment",
     ) -> None:
-        """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found.
+        """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found; the
+        gradient ops are built under the name scope `name`.
 
         The user's stop_gradients stop their copies too. Gradient ops are colocated with
         their forward ops where the user asks for it and `colocate` (a step passing
@@ -162,7 +164,7 @@ class _Backprop:
             list(ys),
             [target.tensor for target in targets],
             None if grad_ys is None else list(grad_ys),
-            name="segment",
+            name=name,
             colocate_gradients_with_ops=self.options.colocate_gradients_with_ops and colocate,
             gate_gradients=self.options.gate_gradients,
             aggregation_method=self.options.aggregation_method,
@@ -263,9 +265,12 @@ def _run(
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
     values: _Values,
+    last_scope: str = "segment",
 ) -> list[Gradient | None]:
     """Backprop from `ys` (of `schedule.view`; `grad_ys` arriving at them) into its xs, with
-    `values` standing for its tensors; gradient parts are kept by the tensor they are for."""
+    `values` standing for its tensors; gradient parts are kept by the tensor they are for.
+    The last segment's gradients are built under `last_scope`, where its copies are (NOTE
+    [names of recomputed ops])."""
     view = schedule.view
     _report_repeated_recomputation(view, schedule.checkpoints)
     user_stopped = {t.op for t in options.stop_gradients}
@@ -281,7 +286,9 @@ def _run(
             *(_Target(values.of(x), x, stops=False) for x in last.xs),
             *(_Target(values.of(x), x, stops=schedule.is_boundary(x)) for x in xs_of_ys),
         ]
-        backprop.differentiate([values.of(y) for y in ys], grad_ys, ys_targets, {})
+        backprop.differentiate(
+            [values.of(y) for y in ys], grad_ys, ys_targets, {}, name=last_scope
+        )
         for depth, step in enumerate(schedule.steps):
             reached = [
                 t
@@ -308,9 +315,10 @@ def _run(
             saved = {
                 t.op: gate for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
             }
+            recompute_scope = f"{scope}recompute_{depth}/"  # NOTE [names of recomputed ops]
             copies = editor.copy_ops(
                 sorted(segment.ops, key=view.position.__getitem__),
-                f"{scope}recompute_{depth}/",
+                recompute_scope,
                 gated,
                 values.copies,
                 stand_in=functools.partial(_saved_in, saved),
@@ -325,7 +333,9 @@ def _run(
                     ),
                 )
                 inner_values = _Values({**values.copies, **copies}, gated)
-                gradients = _run(step.inner, reached, incoming, inner_options, inner_values)
+                gradients = _run(
+                    step.inner, reached, incoming, inner_options, inner_values, recompute_scope
+                )
                 # The inner backward pass ends at its xs, the tensors this step gates.
                 of_xs = {x.ref(): g for x, g in zip(step.inner.view.xs, gradients, strict=True)}
                 backprop.receive(
@@ -344,7 +354,9 @@ def _run(
                     copies[t.op].outputs[t.value_index] if t.op in copies else values.of(t)
                     for t in reached
                 ]
-                backprop.differentiate(step_ys, incoming, targets, copies, colocate=bool(copies))
+                backprop.differentiate(
+                    step_ys, incoming, targets, copies, colocate=bool(copies), name=recompute_scope
+                )
 
         gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
         placement = {}
@@ -353,6 +365,19 @@ def _run(
             if arrived:
                 placement[x.ref()] = _flat(arrived[:1])[0]
         return _released_after_reads(view, gradients, backprop.passed, scope, placement, values)
+
+
+# NOTE [names of recomputed ops]: the gradients of a step's copies are built under the scope
+# the copies are named in, as TensorFlow names gradients after their ops: a copy is `P/name`,
+# a gradient of it `P/P/name_grad/...`, so the two compare by name as the original and its
+# gradient under `tf.gradients` do (`name` against `gradients/...`). Grappler's rewrites depend
+# on that order: common subgraph elimination sorts the inputs of commutative ops by name, and
+# constant push-down then moves a constant onto the second. In the gradient of a scaled
+# softmax, `(g - sum) * softmax * scale`, it pairs the scale with the incoming gradient under
+# `tf.gradients`, and paired it with the softmax where copies were named `gradients/recompute_1/`
+# and their gradients `gradients/segment_2/`: `softmax * scale` then ran as soon as the softmax
+# was recomputed and held 8 MiB until the gradient arrived (command transformer, 'memory':
+# 37.5 MiB measured against 28.6 predicted; 29.5 with the gradients under the copies' scope).
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
