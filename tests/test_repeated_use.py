@@ -38,10 +38,10 @@ def test_many_calls_on_one_graph_add_the_same_ops_each_time():
         with tf1.Session() as session:
             session.run(tf1.global_variables_initializer())
             values = run_with_nones(session, [reference, *results], {x: np.ones((4, WIDTH))})
-    # The first call also makes the few int64 constants and the unfoldable zero every gate
-    # of the graph shares.
+    # The first call also makes the few int64 constants (the gates' slice sizes: one per
+    # shape passed) and the unfoldable zero every gate of the graph shares.
     assert len(set(added[1:])) == 1, f"ops added per call differ: {added}"
-    assert 0 <= added[0] - added[1] <= 6, f"first call added {added[0] - added[1]} more ops"
+    assert 0 <= added[0] - added[1] <= 8, f"first call added {added[0] - added[1]} more ops"
     assert len(names) == len(set(names))
     for got in values[1:]:
         assert_same_gradients(values[0], got)
