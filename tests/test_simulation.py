@@ -9,6 +9,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning import simulation
 from memory_saving_gradients.planning.simulation import executor
 from memory_saving_gradients.planning.simulation.numbering import Numbering
 
@@ -88,3 +89,24 @@ def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
 
     step.get_concrete_function()
     assert peaks == [pytest.approx(6e6, abs=100)]
+
+
+def test_a_plan_simulated_up_to_a_limit_answers_as_its_full_simulation():
+    """Searches ask whether plans fit: a simulation stops once its peak passes the limit, and
+    its answer is the full simulation's at every limit."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4096])
+        h, kept = x, []
+        for _ in range(16):
+            h = tf.tanh(h * 1.5)
+            kept.append(h)
+        view = ForwardView.build([tf.reduce_sum(h)], [x])
+        full = msg.Plan(view, [kept[3::4]], "every fourth").peak_bytes
+        assert (
+            simulation.checkpointed_peak(msg.Plan(view, [kept[3::4]], "").schedule, full - 1)
+            is None
+        )
+        for limit in (full // 2, full - 1, full, full + 1):
+            plan = msg.Plan(view, [kept[3::4]], "every fourth")
+            assert plan.peak_within(limit) == (full <= limit), limit
+            assert plan.peak_bytes == full

@@ -89,7 +89,20 @@ class Plan:
     def peak_bytes(self) -> int:
         if not self.checkpoints:
             return self.plain_peak_bytes
-        return simulation.checkpointed_peak(self.schedule)
+        peak = simulation.checkpointed_peak(self.schedule)
+        assert peak is not None  # no limit
+        return peak
+
+    def peak_within(self, limit: float) -> bool:
+        """Whether the predicted peak is at most `limit` bytes. The step is simulated only
+        until its peak passes `limit` (searches try many plans that do not fit); where it
+        does not, `peak_bytes` is kept."""
+        if "peak_bytes" not in self.__dict__ and self.checkpoints:
+            peak = simulation.checkpointed_peak(self.schedule, limit)
+            if peak is None:
+                return False
+            self.__dict__["peak_bytes"] = peak
+        return self.peak_bytes <= limit
 
     @functools.cached_property
     def plain_peak_bytes(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from typing import TypeGuard
 
@@ -29,13 +30,24 @@ def least_peak(view: ForwardView, label: str) -> Plan:
     `tunables.NESTING_GAIN` of the least found, called `label`."""
     order = cut_search.Order.of(view, view.costs)
     candidates = _least_peak_candidates(view, order, label, simulation.plain_peak(view))
-    least = min(plan.peak_bytes for plan, _ in candidates)
-    close = [
-        (work, plan)
-        for plan, work in candidates
-        if plan.peak_bytes <= least * (1 + tunables.NESTING_GAIN)
-    ]
-    return min(close, key=lambda pair: pair[0])[1]
+    close = _near_least([plan for plan, _ in candidates], tunables.NESTING_GAIN)
+    return min(
+        ((work, plan) for plan, work in candidates if plan in close), key=lambda pair: pair[0]
+    )[1]
+
+
+def _near_least(plans: Sequence[Plan], gain: float) -> list[Plan]:
+    """Those of `plans` whose predicted peak is within `gain` of the least of theirs, in
+    their order. Each is simulated only until its peak passes that bound for the least found
+    before it, last first (the plans for the smallest model peaks, where the least is most
+    often found)."""
+    least = math.inf
+    near = []
+    for plan in reversed(plans):
+        if plan.peak_within(least * (1 + gain)):
+            near.append(plan)
+            least = min(least, plan.peak_bytes)
+    return [plan for plan in plans if plan in near and plan.peak_bytes <= least * (1 + gain)]
 
 
 def one_level_least_peak(view: ForwardView, plain: int) -> int:
@@ -188,7 +200,7 @@ class _BudgetSearch:
         return None if cuts is None else self._plan(cuts)
 
     def _fits(self, plan: Plan | None) -> TypeGuard[Plan]:
-        return plan is not None and plan.peak_bytes <= self.usable
+        return plan is not None and plan.peak_within(self.usable)
 
 
 def least_peak_saving(view: ForwardView, saved: Sequence[tf.Tensor], label: str) -> Plan:
@@ -201,7 +213,7 @@ def least_peak_saving(view: ForwardView, saved: Sequence[tf.Tensor], label: str)
     plans = [
         Plan(view, cut_search.checkpoints_of(order, cuts), label, plain, saved) for cuts in found
     ]
-    return min(plans, key=lambda plan: plan.peak_bytes)
+    return min(_near_least(plans, 0.0), key=lambda plan: plan.peak_bytes)
 
 
 def _one_level_candidates(order: cut_search.Order) -> tuple[dict, float]:
@@ -241,7 +253,5 @@ def _least_peak_candidates(
 
 def _smallest(view: ForwardView, order: cut_search.Order, label: str, plain: int) -> Plan:
     """The plan with the smallest predicted peak of `_least_peak_candidates`."""
-    return min(
-        (plan for plan, _ in _least_peak_candidates(view, order, label, plain)),
-        key=lambda plan: plan.peak_bytes,
-    )
+    plans = [plan for plan, _ in _least_peak_candidates(view, order, label, plain)]
+    return min(_near_least(plans, 0.0), key=lambda plan: plan.peak_bytes)

@@ -11,6 +11,7 @@ it is let go.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -30,12 +31,19 @@ class Buffer:
 MaybeBuffer = TypeVar("MaybeBuffer", bound="Buffer | None")
 
 
-class Ledger:
-    """Buffers alive during one simulated step, and the largest total seen."""
+class OverLimit(Exception):
+    """The bytes alive passed the ledger's limit: the simulation stops there."""
 
-    def __init__(self) -> None:
+
+class Ledger:
+    """Buffers alive during one simulated step, and the largest total seen; where that passes
+    `limit`, `OverLimit` is raised (a search that only asks whether a plan fits need not
+    simulate the rest of its step)."""
+
+    def __init__(self, limit: float = math.inf) -> None:
         self.alive = 0
         self.peak = 0
+        self.limit = limit
         #: The buffer of each tensor at each copy level, by level.
         self.levels: list[dict[int, Buffer | None]] = [{}]
 
@@ -45,12 +53,18 @@ class Ledger:
 
     def new(self, size: int) -> Buffer:
         self.alive += size
-        self.peak = max(self.peak, self.alive)
+        self._reached(self.alive)
         return Buffer(size)
 
     def working(self, size: int) -> None:
         """A kernel's own buffers of `size` bytes, held only while it runs."""
-        self.peak = max(self.peak, self.alive + size)
+        self._reached(self.alive + size)
+
+    def _reached(self, alive: int) -> None:
+        if alive > self.peak:
+            self.peak = alive
+            if alive > self.limit:
+                raise OverLimit
 
     def hold(self, buffer: MaybeBuffer) -> MaybeBuffer:
         if buffer is not None:

@@ -5,11 +5,12 @@ docstring).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning.schedule import Schedule, Segment, Step
-from memory_saving_gradients.planning.simulation.ledger import ORIGINAL
+from memory_saving_gradients.planning.simulation.ledger import ORIGINAL, OverLimit
 from memory_saving_gradients.planning.simulation.simulator import Simulator
 
 
@@ -30,11 +31,20 @@ def plain_peak(view: ForwardView) -> int:
     return run.ledger.peak
 
 
-def checkpointed_peak(schedule: Schedule) -> int:
+def checkpointed_peak(schedule: Schedule, limit: float = math.inf) -> int | None:
     """Simulated peak bytes of backprop with `schedule`: keeping its boundaries, and inside
-    each step with an inner schedule, only that one's while the step recomputes."""
+    each step with an inner schedule, only that one's while the step recomputes. None where
+    the peak passes `limit` (the simulation stops there)."""
     view = schedule.view
-    run = Simulator(view)
+    run = Simulator(view, limit=limit)
+    try:
+        return _checkpointed(run, schedule)
+    except OverLimit:
+        return None
+
+
+def _checkpointed(run: Simulator, schedule: Schedule) -> int:
+    view = schedule.view
     last = _ops_of(run, schedule.last)
     uses = _add(run.uses(last), run.tensor_ids(view.ys))
     for step in schedule.steps:

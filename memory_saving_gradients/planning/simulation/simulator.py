@@ -6,6 +6,7 @@ the package's docstring).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
@@ -25,7 +26,9 @@ class Simulator:
     tensor's buffer also by its copy level (`Ledger`).
     """
 
-    def __init__(self, view: ForwardView, updates_copy: bool = False) -> None:
+    def __init__(
+        self, view: ForwardView, updates_copy: bool = False, limit: float = math.inf
+    ) -> None:
         self.view = view
         #: Whether an update copies its variable (plain `tf.gradients`: see the package's
         #: docstring).
@@ -38,8 +41,8 @@ class Simulator:
         #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
         #: (few: ops of one kind share a use).
         self.gradient_steps: dict[tuple, tuple] = {}
-        #: The buffers alive, and the most bytes alive at once.
-        self.ledger = Ledger()
+        #: The buffers alive, and the most bytes alive at once (up to `limit`: `Ledger`).
+        self.ledger = Ledger(limit)
         #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
         self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
         #: Threads running the step's ops: with more than one, ready gradients run side by
