@@ -321,10 +321,15 @@ class OpCost:
         return self.flops if self.seconds is None else self.seconds
 
 
+def needed_inputs(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> tuple:
+    """For each input of `op`, whether backprop computes its gradient."""
+    return tuple(needs_gradient(t) and _tf.is_differentiable(t) for t in op.inputs)
+
+
 def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> OpCost:
     """The cost of `op` in the forward pass, and what computing the gradients of its inputs
     for which `needs_gradient` holds keeps and allocates."""
-    needed = [needs_gradient(t) and _tf.is_differentiable(t) for t in op.inputs]
+    needed = needed_inputs(op, needs_gradient)
     use = gradient_use(op)
     free = op.type in ALIASING or op.type in RESIDENT
     if use is None:

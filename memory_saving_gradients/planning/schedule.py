@@ -186,7 +186,7 @@ def _step(
     if not inner:
         return Step(boundary_ops, segment)
     ends = [t for op in sorted(segment.ops, key=view.order) for t in op.outputs if is_boundary(t)]
-    sub = ForwardView.build(ends, list(segment.frontier), through_xs=False)
+    sub = ForwardView.build(ends, list(segment.frontier), through_xs=False, enclosing=view)
     return Step(boundary_ops, segment, Schedule.build(sub, inner, nested[1:]))
 
 
