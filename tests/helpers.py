@@ -151,9 +151,10 @@ def original_of(copy: tf.Operation) -> tf.Operation | None:
     """The forward op that `copy` recomputes, or None if `copy` is no recomputed copy. A copy's
     name ends in the original's, after its innermost "recompute_<step>/" scope, and each of
     its inputs is the original's input, or made from it (a copy of its op, a gate passing
-    it): its op's name holds the original input's op name. The step's gradient ops are
-    built in the same scope (NOTE [names of recomputed ops]), and sums of gradient parts
-    there ("AddN") are named like forward ops, but read gradients."""
+    it, a saved tensor's stand-in): its op's name holds the original input's op name, and
+    no gradient's. The step's gradient ops are built in the same scope (NOTE [names of
+    recomputed ops]), and sums of gradient parts there ("AddN") are named like forward
+    ops, but read gradients."""
     parts = re.split(r"recompute_\d+/", copy.name)
     if len(parts) < 2 or "_grad/" in parts[-1]:
         return None
@@ -162,7 +163,7 @@ def original_of(copy: tf.Operation) -> tf.Operation | None:
     except KeyError:
         return None
     same_inputs = len(copy.inputs) == len(original.inputs) and all(
-        read.op.name.endswith(source.op.name) or f"/{source.op.name}/" in read.op.name
+        source.op.name in read.op.name and "_grad/" not in read.op.name
         for read, source in zip(copy.inputs, original.inputs, strict=True)
     )
     return original if original.type == copy.type and same_inputs else None
