@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 from typing import TypeGuard
 
-import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients.analysis.view import ForwardView
@@ -99,7 +98,7 @@ def within_budget(
     ]
     best: Plan | None = None
     for each in sorted(searches, key=lambda each: each.least_recompute):
-        cheaper_than = np.inf if best is None else best.recompute_flops_fraction
+        cheaper_than = math.inf if best is None else best.recompute_flops_fraction
         if each.least_recompute >= cheaper_than:
             break
         plan = each.one_level(cheaper_than)
@@ -144,11 +143,11 @@ class _BudgetSearch:
     def least_recompute(self) -> float:
         """The least any one-level plan of this search may recompute: the widest one's."""
         if not len(self.order.ops):
-            return np.inf
+            return math.inf
         widest = self.widest or self.least
         return widest.recompute_flops_fraction
 
-    def one_level(self, cheaper_than: float = np.inf) -> Plan | None:
+    def one_level(self, cheaper_than: float = math.inf) -> Plan | None:
         """The one-level plan recomputing least that fits and recomputes less than
         `cheaper_than`, bisected on the model peak; None where there is none."""
         if not len(self.order.ops) or not self._fits(self.least):
