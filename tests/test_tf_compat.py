@@ -28,6 +28,14 @@ def test_copy_op_keeps_type_attributes_device_shapes_and_value():
         assert copy.control_inputs == []
         # In the original's colocation group (the caller's colocation scope is left).
         assert copy.colocation_groups() == [b"loc:@act"]
+        with tf1.colocate_with(x.op):
+            z = tf.nn.relu(x, name="z")
+        colocated = _tf.copy_op(z.op, [x], name="copies/z")
+        assert (
+            colocated.colocation_groups()
+            == z.op.colocation_groups()
+            == [b"loc:@" + x.op.name.encode()]
+        )
         assert copy.outputs[0].shape.as_list() == [None, 3]
         assert _tf.copy_op(y.op, [x], name="copies/act").name == "copies/act_1"
         value = np.array([[-1.0, 0.0, 2.0]], np.float32)

@@ -38,22 +38,25 @@ def copy_ops(
     def latest(op: tf.Operation) -> tf.Operation:
         return copies.get(op) or earlier.get(op, op)
 
-    for op in ops:
-        inputs = [
-            stood_in[t.ref()]
-            if t.ref() in stood_in
-            else replacements[t.ref()]
-            if t.op not in copies and t.ref() in replacements
-            else latest(t.op).outputs[t.value_index]
-            for t in op.inputs
-        ]
-        copy = _tf.copy_op(op, inputs, name=scope + op.name)
-        _tf.add_control_inputs(
-            copy,
-            (stood_in[c.outputs[0].ref()].op if c.outputs and c.outputs[0].ref() in stood_in
-             else latest(c) for c in op.control_inputs),
-        )  # fmt: skip
-        copies[op] = copy
-        if stand_in is not None and (tensor := stand_in(op, copy)) is not None:
-            stood_in[op.outputs[0].ref()] = tensor
+    if not ops:
+        return {}
+    with _tf.copying(ops[0].graph) as copy_op:
+        for op in ops:
+            inputs = [
+                stood_in[t.ref()]
+                if t.ref() in stood_in
+                else replacements[t.ref()]
+                if t.op not in copies and t.ref() in replacements
+                else latest(t.op).outputs[t.value_index]
+                for t in op.inputs
+            ]
+            copy = copy_op(op, inputs, scope + op.name)
+            _tf.add_control_inputs(
+                copy,
+                (stood_in[c.outputs[0].ref()].op if c.outputs and c.outputs[0].ref() in stood_in
+                 else latest(c) for c in op.control_inputs),
+            )  # fmt: skip
+            copies[op] = copy
+            if stand_in is not None and (tensor := stand_in(op, copy)) is not None:
+                stood_in[op.outputs[0].ref()] = tensor
     return copies
