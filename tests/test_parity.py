@@ -171,6 +171,40 @@ def test_keras_mobilenet_v3_equals_tf_gradients_in_float64():
     assert_close_to_scale(reference, got, rtol=1e-10)
 
 
+def recurrent_model():
+    """Keras's recurrent layers, each a while loop whose gradient is another, between convolutions
+    and dense layers applied to every step of the sequence (what is recomputed)."""
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((24, 8))
+    h = layers.Conv1D(32, 3, padding="same", activation="relu")(inputs)
+    h = layers.LSTM(32, return_sequences=True)(h)
+    h = layers.Dense(64, activation="gelu")(h)
+    h = layers.Bidirectional(layers.GRU(16, return_sequences=True))(h)
+    h = layers.Dense(64, activation="tanh")(h)
+    h = layers.SimpleRNN(16)(h)
+    return keras.Model(inputs, layers.Dense(5)(h))
+
+
+@pytest.mark.tf2_only
+@pytest.mark.parametrize("strategy", [*STRATEGIES, msg.MemoryBudget(0.5)], ids=str)
+def test_keras_recurrent_layers_equal_tf_gradients(strategy):
+    model = recurrent_model()
+    x = tf.constant(np.random.default_rng(0).random((16, 24, 8)).astype("f4"))
+
+    @tf.function
+    def step(checkpoints):
+        loss = tf.reduce_sum(model(x, training=True) ** 2)
+        if checkpoints is None:
+            return tf.gradients(loss, model.trainable_variables)
+        gradients = msg.gradients(loss, model.trainable_variables, checkpoints=checkpoints)
+        assert_recomputes(tf1.get_default_graph())
+        return gradients
+
+    reference = [g.numpy() for g in step(None)]
+    assert_close_to_scale(reference, [g.numpy() for g in step(strategy)])
+
+
 def chain(n: int = 6, width: int = 8):
     x = tf1.placeholder(tf.float32, [4, width], name="x")
     ws = [tf.Variable(np.eye(width, dtype=np.float32) * 0.9, name=f"w{i}") for i in range(n)]
