@@ -13,6 +13,7 @@ SLICE = (
     "tests/tf1_programs.py",
     "tests/test_gradients.py",
     "tests/test_parity.py",
+    "tests/test_op_families.py",
     "tests/test_patch.py",
     "tests/test_memory.py",
     "tests/test_control_flow.py",
