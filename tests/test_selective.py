@@ -10,6 +10,7 @@ few blocks, with the sines and adds recomputed, needs about two thirds of plain'
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -19,7 +20,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients.planning import cut_search, tunables
 from memory_saving_gradients.profiling import peak_memory
-from tests.helpers import assert_same_gradients, original_of, recomputed_copies
+from tests.helpers import assert_same_gradients, original_of, recomputed_copies, run_python
 
 tf1 = tf.compat.v1
 BATCH, WIDTH, BLOCKS = 1024, 256, 12
@@ -131,18 +132,41 @@ def measured_peak(checkpoints) -> float:
     return peak, predicted
 
 
-def test_saving_inside_segments_halves_memory_as_predicted():
-    """In a Session (as TF1 programs run), the matmul outputs saved inside segments."""
+def peaks() -> dict[str, float]:
+    """Measured peaks of plain backprop, of 'speed' (with its prediction) and of the matmul
+    outputs kept as checkpoints."""
     plain, _ = measured_peak(None)
     selective, predicted = measured_peak("speed")
     matmul_checkpoints, _ = measured_peak(
         lambda view: [op.outputs[0] for op in view.ops if op.type == "MatMul"]
     )
+    return {
+        "plain": plain,
+        "selective": selective,
+        "predicted": predicted,
+        "matmul_checkpoints": matmul_checkpoints,
+    }
+
+
+_PEAKS = """
+import json
+import tests.conftest  # TF1 behaviour where the suite's TF1 slice runs
+from tests.test_selective import peaks
+print(json.dumps(peaks()))
+"""
+
+
+def test_saving_inside_segments_halves_memory_as_predicted():
+    """In a Session (as TF1 programs run), the matmul outputs saved inside segments. Measured
+    in a fresh interpreter: after a long suite the allocator's free blocks are fragmented, and
+    a 1 MiB request handed a free block of up to 2 MiB whole counts that block (18.75 MiB
+    measured once, against 17.0-17.75 in a fresh process)."""
+    measured = json.loads(run_python("-c", _PEAKS).strip().splitlines()[-1])
+    plain, selective, predicted = measured["plain"], measured["selective"], measured["predicted"]
     assert plain >= BLOCKS * 2 * MIB  # each block's input and matmul output
-    assert matmul_checkpoints > 0.85 * plain  # the uncut skip path keeps every h
+    assert measured["matmul_checkpoints"] > 0.85 * plain  # the uncut skip path keeps every h
     assert selective < 0.75 * plain  # 0.62-0.68 measured, 0.67 predicted
-    # 17.0-17.75 MiB measured alone against 16.25 predicted; 18.75 under a full suite's load,
-    # where the executor, timing ops, holds more of the 1 MiB activations at once.
+    # 17.0-17.75 MiB measured against 16.25 predicted.
     assert abs(selective - predicted) <= max(0.15 * predicted, 3 * MIB), (selective, predicted)
 
 
