@@ -22,6 +22,7 @@ from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
     control_flow_util,
+    control_flow_util_v2,
     default_gradient,
     gradients_impl,
     gradients_util,
@@ -96,7 +97,49 @@ def _copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Ope
     for original, copied in zip(op.outputs, copy.outputs, strict=True):
         copied.set_shape(original.shape)
         handle_data_util.copy_handle_data(original, copied)
+    _give_own_function_graphs(copy)
     return copy
+
+
+# NOTE [copied control flow]: the gradient of a TF2 while loop or cond may rewrite the op's
+# functions to output what the gradient reads, registering them under the name of the graph
+# it builds for each function plus "_rewritten". It caches those graphs on the op, built from
+# the function's name where the op has none: a copy reading the original's functions would get
+# the original's name, so differentiating both (a checkpointed call, then `tf.gradients`; or
+# two checkpointed calls) registers two different functions under one name, which TensorFlow
+# refuses ("Attempting to add a duplicate function"). Each copy gets graphs of its own names.
+_FUNCTION_GRAPHS = {
+    **dict.fromkeys(
+        ("While", "StatelessWhile"), (("cond", "_cond_graph"), ("body", "_body_graph"))
+    ),
+    **dict.fromkeys(
+        ("If", "StatelessIf"), (("then_branch", "_true_graph"), ("else_branch", "_false_graph"))
+    ),
+}
+
+
+def _give_own_function_graphs(copy: tf.Operation) -> None:
+    """Cache on `copy` the graphs its gradient builds of the functions it runs, named its own
+    (NOTE [copied control flow])."""
+    if copy.type in ("Case", "StatelessCase"):
+        named = [
+            (function, f"_branch_graph_{i}")
+            for i, function in enumerate(copy.get_attr("branches"))
+        ]
+    else:
+        named = [
+            (copy.get_attr(attr), cache) for attr, cache in _FUNCTION_GRAPHS.get(copy.type, ())
+        ]
+    if not named:
+        return
+    if copy.type.endswith("While"):
+        shapes = [tf.TensorShape(shape) for shape in copy.get_attr("output_shapes")]
+    else:
+        shapes = [t.shape for t in copy.inputs[1:]]  # the first is the predicate or index
+    for function, cache in named:
+        graph = control_flow_util_v2.get_func_graph(copy, shapes, function.name)
+        graph.name = f"{function.name}_recomputed_{tf_ops.uid()}"
+        setattr(copy, cache, graph)
 
 
 def differentiated_as(value: tf.Tensor, op: tf.Operation) -> tf.Tensor:

@@ -245,3 +245,44 @@ def test_tf1_while_loop_and_cond_frames(control_flow_v1, place):
     copied_types = {op.type for op in recomputed_copies(graph)}
     assert copied_types
     assert not copied_types & {"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond"}
+
+
+def control_flow_block(h, v, kind: str):
+    """A while loop, cond or switch_case of tanh(h @ v) (and sin)."""
+    if kind == "while":
+        return tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.tanh(a @ v)), (0, h))[1]
+    branches = [lambda: tf.tanh(h @ v), lambda: tf.sin(h @ v)]
+    if kind == "cond":
+        return tf.cond(tf.reduce_sum(h) > 0, *branches)
+    return tf.switch_case(tf.cast(tf.reduce_sum(h) > 0, tf.int32), branches)
+
+
+def stateless_control_flow_chain(ws, x, kind: str):
+    """Blocks of `control_flow_block` given their weight's value (stateless ops, which plans
+    recompute)."""
+    h = x
+    for w in ws:
+        h = h + control_flow_block(h, tf.convert_to_tensor(w), kind)
+    return tf.reduce_sum(h * h)
+
+
+@pytest.mark.tf2_only
+@pytest.mark.parametrize("kind", ["while", "cond", "switch_case"])
+def test_recomputed_control_flow_differentiated_again(kind):
+    """The gradient of a TF2 loop or cond rewrites its functions under names derived from them:
+    a copy reading the original's functions collided with the original's rewrite ("Attempting
+    to add a duplicate function") when both were differentiated (NOTE [copied control flow])."""
+    ws = square_weights(6, 32)
+    x = tf.constant(np.random.RandomState(0).randn(16, 32).astype(np.float32))
+
+    @tf.function
+    def step():
+        loss = stateless_control_flow_chain(ws, x, kind)
+        first = msg.gradients(loss, ws, checkpoints="memory")
+        assert_recomputes(tf1.get_default_graph())
+        second = msg.gradients(loss, ws, checkpoints="speed")
+        return tf.gradients(loss, ws), first, second
+
+    reference, first, second = step()
+    assert_same_gradients(numpy(reference), numpy(first))
+    assert_same_gradients(numpy(reference), numpy(second))
