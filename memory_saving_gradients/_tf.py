@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
-from tensorflow.python.framework import func_graph
+from tensorflow.python.framework import func_graph, op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
     control_flow_util,
@@ -185,6 +185,32 @@ def called_op_types(op: tf.Operation) -> frozenset[str]:
     return frozenset().union(
         *(_body_op_types(name, op.graph) for name in _called_function_names(op.node_def, op.graph))
     )
+
+
+#: Stateful op types that only read a variable's value.
+_VARIABLE_READ_TYPES = frozenset(
+    {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"}
+)
+
+
+def stateful_through_variable_reads(op: tf.Operation) -> bool:
+    """Whether `op` is stateful only because functions it runs (a while loop's body, a cond's
+    branches, a nested tf.function) read variables: the only stateful ops in them are variable
+    reads and ops running further functions."""
+    called = called_op_types(op)
+    if not called:
+        return False
+    for op_type in called - _VARIABLE_READ_TYPES:
+        op_def = op_def_registry.get(op_type)  # None for a library function called by name
+        if op_def is not None and op_def.is_stateful and not _runs_functions(op_def):
+            return False
+    return True
+
+
+def _runs_functions(op_def) -> bool:
+    """Whether ops of `op_def` run functions (their attributes name them), whose bodies decide
+    whether they are stateful (While, If, Case, StatefulPartitionedCall)."""
+    return any(attr.type in ("func", "list(func)") for attr in op_def.attr)
 
 
 #: Op types in each library function's body and callees, by name. A name stands for one body:

@@ -167,7 +167,9 @@ def _checkpointed(
             raise
         logger.info("%s Computing TensorFlow's own gradients.", error)
         plan = None
-    if plan is None or not plan.pays:
+    plain = plan is None or not plan.pays
+    _report_kept_for_variable_reads(view, plain)
+    if plain:
         _log_plain(plan, checkpoints)
         return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
     _log_plan(plan)
@@ -251,6 +253,21 @@ def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:
             "computing plain gradients.%s",
             plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
             " checkpoints='memory' chooses checkpoints that pay, or none." if chosen else "",
+        )  # fmt: skip
+
+
+def _report_kept_for_variable_reads(view: ForwardView, plain: bool) -> None:
+    """Name the loops, conds and nested tf.functions kept only because they read variables
+    inside, which the user can let be recomputed: a warning where nothing is recomputed."""
+    kept = view.kept_for_variable_reads
+    if kept:
+        (logger.warning if plain else logger.info)(
+            "%d loops, conds or nested tf.functions are kept, not recomputed (%.1f MiB of "
+            "outputs), e.g. %s: they read variables inside, which makes them stateful. Pass the "
+            "variables' values in as tensors (tf.convert_to_tensor(variable) outside them) to "
+            "let them be recomputed.",
+            len(kept), sum(view.bytes(t) for op in kept for t in op.outputs) / MIB,
+            [op.name for op in kept[:3]],
         )  # fmt: skip
 
 

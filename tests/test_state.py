@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis.view import why_not_recomputable
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,
@@ -159,3 +160,70 @@ def test_batch_norm_moving_averages_and_optimizer_update_once_per_step():
     checkpointed = train_with_batch_norm(checkpointed=True)
     for want, have in zip(plain, checkpointed, strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+
+
+def looped_chain(weights, x, read_inside: bool, random_inside: bool = False):
+    """Blocks of a tf.while_loop of tanh(matmul), reading each weight inside the loop's body
+    (the loop is stateful) or taking its value as a tensor (the loop is stateless)."""
+    h = x
+    for w in weights:
+        value = w if read_inside else tf.convert_to_tensor(w)
+
+        def body(i, a, value=value):
+            step = tf.tanh(a @ value)
+            if random_inside:
+                step += tf.random.uniform(tf.shape(a), maxval=1e-3)
+            return i + 1, step
+
+        h = h + tf.while_loop(lambda i, a: i < 2, body, (0, h))[1]
+    return tf.reduce_sum(h * h)
+
+
+@pytest.mark.tf2_only
+def test_loops_reading_variables_are_kept_and_named_with_what_to_do(caplog):
+    """A while loop reading a variable inside is stateful, so it is not recomputed: the plan
+    falls back to plain gradients and a warning says how to let it be recomputed. Given the
+    value as a tensor, the loop is stateless and recomputed."""
+    weights = square_weights(6, 64)
+    x = tf.constant(np.random.default_rng(0).standard_normal((64, 64)).astype("f4"))
+
+    @tf.function
+    def step(read_inside):
+        loss = looped_chain(weights, x, read_inside)
+        with caplog.at_level("INFO", logger="memory_saving_gradients"):
+            got = msg.gradients(loss, weights, checkpoints="memory")
+        recomputed = recomputed_copies(tf1.get_default_graph())
+        return tf.gradients(loss, weights), got, len(recomputed)
+
+    want, got, recomputed = step(True)
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+    assert recomputed == 0
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "tf.convert_to_tensor(variable)" in warnings[0].message
+    assert "6 loops, conds or nested tf.functions" in warnings[0].message
+
+    caplog.clear()
+    want, got, recomputed = step(False)
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+    assert recomputed > 0
+    assert "read variables inside" not in caplog.text
+
+
+@pytest.mark.tf2_only
+def test_loops_with_other_state_inside_get_the_general_reason():
+    """A loop drawing random numbers inside stays stateful whatever it is given."""
+    weights = square_weights(2, 8)
+    reasons = {}
+
+    @tf.function
+    def step():
+        loss = looped_chain(weights, tf.ones((4, 8)), read_inside=False, random_inside=True)
+        view = msg.plan(loss, weights, checkpoints="memory")._view
+        assert not view.kept_for_variable_reads
+        loops = [op for op in view.ops if op.type == "While"]
+        reasons.update({op.name: why_not_recomputable(op, frozenset()) for op in loops})
+        return loss
+
+    step.get_concrete_function()
+    assert len(reasons) == 2
+    assert all(reason.startswith("it is stateful (random") for reason in reasons.values())

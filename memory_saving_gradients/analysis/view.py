@@ -38,11 +38,21 @@ FRAME_TYPES = frozenset(
 VARIABLE_READS = frozenset({"ReadVariableOp", "Identity", "Snapshot"})
 
 
+#: Why a loop, cond or nested tf.function whose only stateful ops are variable reads is kept.
+READS_VARIABLES_INSIDE = (
+    "it reads variables inside the functions it runs (a tf.while_loop body, tf.cond branches, "
+    "a nested tf.function), which makes it stateful: pass their values in as tensors "
+    "(tf.convert_to_tensor(variable) outside it) to let it be recomputed"
+)
+
+
 def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> str | None:
     """The reason `op` must not be copied into the backward pass, or None if it may be."""
     if op in xs_ops:
         return "it produces one of xs"
     if _tf.is_stateful(op):
+        if _tf.stateful_through_variable_reads(op):
+            return READS_VARIABLES_INSIDE
         return "it is stateful (random, variable access, I/O), so a rerun could differ"
     if _tf.in_v1_control_flow(op) or op.type in FRAME_TYPES:
         return "it belongs to a TF1 control-flow frame"
@@ -144,6 +154,18 @@ class ForwardView:
             gradients_held=gradients_held,
             measured=measured,
             enclosing=enclosing,
+        )
+
+    @cached_property
+    def kept_for_variable_reads(self) -> tuple[tf.Operation, ...]:
+        """Ops kept only because functions they run read variables (`READS_VARIABLES_INSIDE`):
+        the user can let them be recomputed."""
+        return tuple(
+            op
+            for op in self.ops
+            if op not in self.recomputable
+            and _tf.is_stateful(op)
+            and _tf.stateful_through_variable_reads(op)
         )
 
     @cached_property
