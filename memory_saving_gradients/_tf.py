@@ -101,13 +101,14 @@ def _copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Ope
     return copy
 
 
-# NOTE [copied control flow]: the gradient of a TF2 while loop or cond may rewrite the op's
-# functions to output what the gradient reads, registering them under the name of the graph
-# it builds for each function plus "_rewritten". It caches those graphs on the op, built from
-# the function's name where the op has none: a copy reading the original's functions would get
-# the original's name, so differentiating both (a checkpointed call, then `tf.gradients`; or
-# two checkpointed calls) registers two different functions under one name, which TensorFlow
-# refuses ("Attempting to add a duplicate function"). Each copy gets graphs of its own names.
+# NOTE [copied control flow]: the gradient of a TF2 while loop, cond or switch_case may
+# rewrite the op's functions to output what the gradient reads, registering them under the
+# name of the graph it builds for each function plus "_rewritten". It caches those graphs on
+# the op, built from the function's name where the op has none: a copy reading the original's
+# functions would get the original's name, so differentiating both (a checkpointed call, then
+# `tf.gradients`; or two checkpointed calls) registers two different functions under one
+# name, which TensorFlow refuses ("Attempting to add a duplicate function"). Each copy gets
+# graphs of its own names.
 _FUNCTION_GRAPHS = {
     **dict.fromkeys(
         ("While", "StatelessWhile"), (("cond", "_cond_graph"), ("body", "_body_graph"))
