@@ -30,6 +30,7 @@ from tensorflow.python.ops import (
     resource_variable_ops,
 )
 from tensorflow.python.ops import gradients as gradients_module
+from tensorflow.python.util import _pywrap_util_port
 
 
 @contextlib.contextmanager
@@ -364,6 +365,12 @@ def _in_frame(context) -> bool:
             return True
         context = context.outer_context
     return False
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs oneDNN's CPU kernels (the default on x86; TF_ENABLE_ONEDNN_OPTS=0
+    turns them off)."""
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def compiled_by_xla(graph: tf.Graph) -> bool:

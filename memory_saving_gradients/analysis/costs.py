@@ -12,6 +12,7 @@ taken to read every input and output and to make new input gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -92,19 +93,53 @@ def working_bytes(
 ) -> int:
     """Bytes an op's TensorFlow CPU kernel allocates for itself while it runs, beyond its
     outputs, given the dtype and bytes of each input, the bytes of each output, and whether a
-    BiasAdd alone reads its output. A float16 matmul computes in float32: it holds a float32
-    copy of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
+    BiasAdd alone reads its output. Where oneDNN does not compute in float16 on this CPU
+    (`float16_matmuls_native`), a float16 matmul computes in float32: it holds a float32 copy
+    of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
     [512, 1024] MatMul holds 14 MiB beside its 4 MiB output). bfloat16 runs natively in
-    oneDNN, but a MatMul fused with the BiasAdd after it (grappler's remapper) holds its
-    result in float32. Other kernels' scratch space is not counted: float16 convolution
-    gradients on CPU hold some 25-32 MiB, whatever their shapes."""
+    oneDNN, but on a CPU without AMX a MatMul fused with the BiasAdd after it (grappler's
+    remapper) holds its result in float32 (measured on one without AMX; on a Sapphire Rapids,
+    with it, the same fused MatMul holds nothing more). Other kernels' scratch space is not
+    counted: float16 convolution gradients on CPU hold some 25-32 MiB, whatever their shapes."""
     if op_type not in MATMULS or not inputs:
         return 0
-    if inputs[0][0] == tf.float16:
+    if inputs[0][0] == tf.float16 and not float16_matmuls_native():
         return 2 * (sum(size for _, size in inputs) + sum(output_bytes))
-    if inputs[0][0] == tf.bfloat16 and op_type == "MatMul" and before_bias_add:
+    if (
+        inputs[0][0] == tf.bfloat16
+        and op_type == "MatMul"
+        and before_bias_add
+        and "amx_bf16" not in _cpu_flags()
+    ):
         return 2 * sum(output_bytes)
     return 0
+
+
+@functools.cache
+def float16_matmuls_native() -> bool:
+    """Whether TensorFlow's CPU matmuls compute float16 in float16 here: where oneDNN is on and
+    the CPU has what TensorFlow asks of it for float16 (AVX512_FP16 or AMX_FP16 beside
+    AVX512BW, or AVX_NE_CONVERT: `IsDataTypeSupportedByOneDNNOnThisCPU`), grappler hands them
+    to oneDNN; elsewhere Eigen's kernel computes in float32."""
+    flags = _cpu_flags()
+    return _tf.onednn_enabled() and (
+        ("avx512bw" in flags and bool({"avx512_fp16", "amx_fp16"} & flags))
+        or "avx_ne_convert" in flags
+    )
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them in /proc/cpuinfo; none where it has no such
+    file (the model then assumes the older CPUs' kernels)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 #: Ops whose output is the shape of their input: a constant where that shape is static.
