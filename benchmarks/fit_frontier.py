@@ -10,6 +10,12 @@ smallest of --memory-repeats fresh models), its ratio to plain's, the ratio the 
 and the step time as a ratio to plain's (medians of interleaved steps). It writes
 results/fit_frontier_<model>.csv and .png (time ratio against memory ratio).
 
+Each method's peak is measured in a process of its own, as a user training one model has it:
+TensorFlow's allocator keeps the blocks a process's earlier steps grew, and hands a request a
+free block of up to twice its size whole, so a step run after a larger one (plain) can read
+more than it needs. The "shared" column is the same peak read in one process after plain and
+the methods before it, where every step is also timed.
+
     python benchmarks/fit_frontier.py                          # residual CNN, 56 blocks
     python benchmarks/fit_frontier.py --model ResNet50 --size 96 --batch 16 --measure
 """
@@ -18,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,7 +95,30 @@ def method_of(name: str) -> object:
         return name
 
 
-def main(argv=None) -> int:
+def peak_of(args: argparse.Namespace, checkpoints: object, predictions: Predictions) -> dict:
+    """The worst peak of `checkpoints`' steps, in the smallest of --memory-repeats fresh
+    models, and what its plan predicted."""
+    peak = float("inf")
+    for _ in range(args.memory_repeats):
+        predictions.ratio = predictions.time_ratio = predictions.mib = None
+        peak = min(peak, worst_peak(train_step(args, checkpoints), args.steps))
+    return {
+        "peak": peak,
+        "ratio": predictions.ratio,
+        "time_ratio": predictions.time_ratio,
+        "mib": predictions.mib,
+    }
+
+
+def alone(name: str, argv: list[str]) -> dict:
+    """`peak_of` method `name`, measured in a process of its own."""
+    command = [sys.executable, __file__, *argv, "--alone", name]
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(output.splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="residual")
     parser.add_argument("--blocks", type=int, default=56)
@@ -105,6 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per model")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per method")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--alone", help=argparse.SUPPRESS)  # a child process measuring one
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.dtype)
     predictions = Predictions()
@@ -114,34 +146,42 @@ def main(argv=None) -> int:
     library.propagate = False
 
     methods = {"plain": None, **{name: method_of(name) for name in args.methods}}
+    if args.alone is not None:
+        print(json.dumps(peak_of(args, methods[args.alone], predictions)))
+        return 0
     print(
         f"Keras fit, {args.model} {args.size}x{args.size} batch {args.batch} {args.dtype}, "
         f"costs {'measured' if args.measure else 'static'}",
         flush=True,
     )
-    peaks: dict[str, float] = {}
-    predicted: dict[str, tuple[float | None, float | None]] = {}
+    measured = {}
+    shared: dict[str, float] = {}
     steps = {}
     for name, checkpoints in methods.items():
-        for _ in range(args.memory_repeats):
-            predictions.ratio = predictions.time_ratio = predictions.mib = None
-            steps[name] = train_step(args, checkpoints)
-            peak = worst_peak(steps[name], args.steps)
-            peaks[name] = min(peaks.get(name, peak), peak)
-        predicted[name] = (predictions.ratio, predictions.time_ratio, predictions.mib)
-        print(f"  {name}: {peaks[name]:.1f} MiB", flush=True)
+        measured[name] = alone(name, argv)
+        steps[name] = train_step(args, checkpoints)
+        shared[name] = worst_peak(steps[name], args.steps)
+        print(f"  {name}: {measured[name]['peak']:.1f} MiB, shared {shared[name]:.1f}", flush=True)
     times = interleaved_step_times(steps, args.repeats)
     median = {name: float(np.median(values)) for name, values in times.items()}
+    plain = measured["plain"]["peak"]
     rows = []
     for name in methods:
-        ratio, time_ratio, mib = predicted[name] if name != "plain" else (1.0, 1.0, None)
+        found = measured[name]
+        ratio, time_ratio, mib = (
+            (found["ratio"], found["time_ratio"], found["mib"])
+            if name != "plain"
+            else (1.0, 1.0, None)
+        )
         rows.append(
             {
                 "method": name,
-                "activation_mib": round(peaks[name], 1),
+                "activation_mib": round(found["peak"], 1),
                 "predicted_mib": None if mib is None else round(mib, 1),
-                "memory_ratio": round(peaks[name] / peaks["plain"], 3),
+                "memory_ratio": round(found["peak"] / plain, 3),
                 "predicted_ratio": None if ratio is None else round(ratio, 3),
+                "shared_mib": round(shared[name], 1),
+                "shared_ratio": round(shared[name] / shared["plain"], 3),
                 "time_ratio": round(median[name] / median["plain"], 3),
                 "predicted_time_ratio": None if time_ratio is None else round(time_ratio, 3),
                 "step_s": round(median[name], 4),
@@ -149,14 +189,14 @@ def main(argv=None) -> int:
         )
     print(
         "| method | activation MiB | predicted MiB | memory / plain | predicted | "
-        "time / plain | predicted |"
+        "shared / plain | time / plain | predicted |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(
             f"| {row['method']} | {row['activation_mib']} | {_cell(row['predicted_mib'], 1)} | "
-            f"{row['memory_ratio']:.2f} | "
-            f"{_cell(row['predicted_ratio'])} | {row['time_ratio']:.2f}x | "
+            f"{row['memory_ratio']:.2f} | {_cell(row['predicted_ratio'])} | "
+            f"{row['shared_ratio']:.2f} | {row['time_ratio']:.2f}x | "
             f"{_cell(row['predicted_time_ratio'])} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
