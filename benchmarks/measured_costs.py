@@ -16,6 +16,12 @@ measured peak; "time" is measured over plain, "predicted" the plan's `time_ratio
     python benchmarks/measured_costs.py --models transformer --size 256 --batch 8 --depth 4
     python benchmarks/measured_costs.py --targets             # exit 1 unless every measured-
                                                               # costs prediction is within 15%
+    python benchmarks/measured_costs.py --models transformer --size 256 --batch 8 --requested
+
+`--requested` profiles each step once more and prints the largest sum of bytes its live
+tensors requested (`peak_trace.profiled`) beside the allocator's peak: what the simulator
+models. The difference is the allocator's rounding (a free block of up to twice a request is
+handed out whole), which depends on the blocks the process's earlier steps left.
 """
 
 from __future__ import annotations
@@ -78,7 +84,13 @@ def _step(weights, loss_of, checkpoints=None, costs=None, plans=None):
 
 
 def bench(
-    name: str, size: int, batch: int, depth: int, strategies: list[str], repeats: int
+    name: str,
+    size: int,
+    batch: int,
+    depth: int,
+    strategies: list[str],
+    repeats: int,
+    requested: bool = False,
 ) -> list[dict]:
     weights, loss_of = _model(name, size, batch, depth)
     plain = _step(weights, loss_of)
@@ -100,13 +112,20 @@ def bench(
             peak = min(peak_memory(step) for _ in range(2))
             steps[f"{label} {source}"] = step
             rows.append(
-                {"model": name, "strategy": label, "costs": source, "plan": plan, "peak": peak}
+                {
+                    "model": name,
+                    "strategy": label,
+                    "costs": source,
+                    "plan": plan,
+                    "peak": peak,
+                    "requested": _requested_peak(step) if requested else None,
+                }
             )
     plain_peak = min(peak_memory(plain) for _ in range(2))
     times = interleaved_step_times(steps, repeats=repeats)
     median = {k: float(np.median(v)) for k, v in times.items()}
     print(f"  {'strategy':<20}{'costs':<10}{'pred plain':>11}{'err':>7}{'pred':>9}{'measured':>10}"
-          f"{'err':>7}{'of plain':>9}{'time':>7}{'pred':>7}")  # fmt: skip
+          f"{'err':>7}{'of plain':>9}{'time':>7}{'pred':>7}{'requested':>10}")  # fmt: skip
     for row in rows:
         plan, peak = row["plan"], row["peak"]
         row["plain_error"] = plan.plain_peak_bytes / plain_peak - 1
@@ -114,13 +133,22 @@ def bench(
         row["of_plain"] = peak / plain_peak
         row["time"] = median[f"{row['strategy']} {row['costs']}"] / median["plain"]
         predicted_time = f"{plan.time_ratio:.2f}" if plan.time_ratio else "-"
+        asked = f"{row['requested'] / MiB:.1f}" if row["requested"] else "-"
         print(
             f"  {row['strategy']:<20}{row['costs']:<10}{plan.plain_peak_bytes / MiB:>11.1f}"
             f"{row['plain_error']:>+7.0%}{plan.peak_bytes / MiB:>9.1f}{peak / MiB:>10.1f}"
             f"{row['error']:>+7.0%}{row['of_plain']:>9.2f}{row['time']:>7.2f}{predicted_time:>7}"
+            f"{asked:>10}"
         )
     print(f"  plain measured {plain_peak / MiB:.1f} MiB")
     return rows
+
+
+def _requested_peak(step) -> int:
+    """The largest sum of bytes the step's live tensors requested, from a profiled step."""
+    from peak_trace import profiled  # it reads the profiler's protos: only where asked
+
+    return profiled(step).requested_peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,11 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--targets", action="store_true")
+    parser.add_argument("--requested", action="store_true", help="profile requested bytes")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.policy)
     rows = []
     for name in args.models:
-        rows += bench(name, args.size, args.batch, args.depth, args.strategies, args.repeats)
+        rows += bench(
+            name,
+            args.size,
+            args.batch,
+            args.depth,
+            args.strategies,
+            args.repeats,
+            args.requested,
+        )
     missed = [
         r for r in rows
         if r["costs"] == "measured"
