@@ -3,6 +3,8 @@
 When a TensorFlow release changes one of them, the test named after it fails here first.
 """
 
+import platform
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,6 +12,7 @@ from tensorflow.python.training import optimizer as v1_optimizer
 
 from memory_saving_gradients import _tf
 from tests.helpers import run_in_session as run
+from tests.helpers import run_python
 
 tf1 = tf.compat.v1
 
@@ -406,3 +409,12 @@ def test_read_profile_reads_allocations_and_kernels_the_profiler_wrote(tmp_path)
     names = {m.name for plane in space.planes for m in plane.event_metadata.values()}
     assert "MemoryAllocation" in names
     assert any(name.startswith("profiled_tanh:") for name in names), sorted(names)[:20]
+
+
+def test_onednn_enabled_follows_tf_enable_onednn_opts():
+    """On by default on x86, off in a process started with TF_ENABLE_ONEDNN_OPTS=0."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert _tf.onednn_enabled() is True
+    code = "from memory_saving_gradients import _tf; print(_tf.onednn_enabled())"
+    output = run_python("-c", code, env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert output.strip().splitlines()[-1] == "False"
