@@ -278,22 +278,55 @@ def test_independent_branches_are_recomputed_one_after_the_other():
     assert checkpointed <= 2 * (n - k) + 2 + SLACK_MB
 
 
-def test_weight_gradients_run_before_the_data_gradients_beside_them():
-    """NOTE [weight gradients first] in rewriting/backprop.py: a recomputed convolution's
-    filter gradient frees its input activation before the input gradient allocates its own."""
+def recomputed_data_gradients(concatenated: bool) -> dict[str, bool]:
+    """For a chain of a ReLU then four convolutions with ReLUs, each reading the ReLU before
+    it or a concatenation of it with itself, checkpointed in the middle: whether each
+    recomputed convolution's input gradient waits for a filter gradient, by name."""
     with tf.Graph().as_default() as graph:
-        x = tf.Variable(tf.ones([2, 8, 8, 4]), trainable=False).read_value()
-        kernels = [tf.Variable(tf.ones([3, 3, 4, 4]) * 0.1) for _ in range(4)]
-        h, hidden = x, []
+        start = tf.Variable(tf.ones([2, 8, 8, 4]))
+        channels = 8 if concatenated else 4
+        kernels = [tf.Variable(tf.ones([3, 3, channels, 4]) * 0.1) for _ in range(4)]
+        h, hidden = tf.nn.relu(start.read_value()), []
         for kernel in kernels:
-            h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
+            read = tf.concat([h, h], -1) if concatenated else h
+            h = tf.nn.relu(tf.nn.conv2d(read, kernel, 1, "SAME"))
             hidden.append(h)
-        msg.gradients(tf.reduce_sum(h), kernels, checkpoints=[hidden[1]])
-    ordered = [
-        op
+        msg.gradients(tf.reduce_sum(h), [start, *kernels], checkpoints=[hidden[1]])
+    return {
+        op.name: any(c.type == "Conv2DBackpropFilter" for c in op.control_inputs)
         for op in graph.get_operations()
         if op.type == "Conv2DBackpropInput" and "/recompute_" in op.name
+    }
+
+
+def test_weight_gradients_run_first_where_they_free_the_activation():
+    """NOTE [weight gradients first] in rewriting/backprop.py: a recomputed convolution's
+    filter gradient frees the concatenation it reads before the input gradient allocates
+    its own; the gradient of a ReLU reads its output, which is held for that anyway, so
+    there both gradients are left free to run side by side."""
+    ordered = recomputed_data_gradients(concatenated=True)
+    assert ordered and all(ordered.values()), ordered
+    free = recomputed_data_gradients(concatenated=False)
+    assert free and not any(free.values()), free
+
+
+def test_weight_gradients_larger_than_the_data_gradients_run_first():
+    """NOTE [weight gradients first]: a tanh's gradient reads its output, which the matrix
+    gradient of the layer after it reads too; that gradient is 8 times the data gradient, so
+    it runs first rather than lag beside the data gradients' chain."""
+    with tf.Graph().as_default() as graph:
+        start = tf.Variable(tf.ones([8, 64]))
+        weights = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(4)]
+        h, hidden = tf.tanh(start.read_value()), []
+        for weight in weights:
+            h = tf.tanh(h @ weight)
+            hidden.append(h)
+        msg.gradients(tf.reduce_sum(h), [start, *weights], checkpoints=[hidden[1]])
+    data_gradients = [
+        op
+        for op in graph.get_operations()
+        if op.type == "MatMul" and "/recompute_" in op.name and op.get_attr("transpose_b")
     ]
-    assert ordered
-    for op in ordered:
-        assert any(c.type == "Conv2DBackpropFilter" for c in op.control_inputs), op.name
+    assert data_gradients
+    for op in data_gradients:
+        assert any(c.type == "MatMul" for c in op.control_inputs), op.name
