@@ -310,6 +310,32 @@ def test_weight_gradients_run_first_where_they_free_the_activation():
     assert free and not any(free.values()), free
 
 
+def test_weight_gradients_run_first_where_branches_sum_their_data_gradients():
+    """NOTE [weight gradients first]: two branches after the checkpoint read one ReLU, whose
+    gradient holds it; but their convolutions' input gradients are summed, so one run early
+    would wait for the other branch's, and the filter gradients still run first."""
+    with tf.Graph().as_default() as graph:
+        start = tf.Variable(tf.ones([8, 32, 32, 4]))
+        kernels = [tf.Variable(tf.ones([3, 3, 4, 4]) * 0.1) for _ in range(8)]
+        h = tf.nn.relu(start.read_value())
+        for kernel in kernels[:4]:
+            h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
+        kept = h
+        h = tf.nn.relu(tf.nn.conv2d(h, kernels[4], 1, "SAME"))
+        branches = [tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME")) for kernel in kernels[5:7]]
+        h = tf.nn.relu(tf.nn.conv2d(branches[0] + branches[1], kernels[7], 1, "SAME"))
+        msg.gradients(tf.reduce_sum(h), [start, *kernels], checkpoints=[kept])
+    branch_data_gradients = [
+        op
+        for op in graph.get_operations()
+        if op.type == "Conv2DBackpropInput"
+        and ("Conv2D_5_grad" in op.name or "Conv2D_6_grad" in op.name)
+    ]
+    assert len(branch_data_gradients) == 2
+    for op in branch_data_gradients:
+        assert any(c.type == "Conv2DBackpropFilter" for c in op.control_inputs), op.name
+
+
 def test_weight_gradients_larger_than_the_data_gradients_run_first():
     """NOTE [weight gradients first]: a tanh's gradient reads its output, which the matrix
     gradient of the layer after it reads too; that gradient is 8 times the data gradient, so
