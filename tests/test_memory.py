@@ -336,10 +336,10 @@ def test_weight_gradients_run_first_where_branches_sum_their_data_gradients():
         assert any(c.type == "Conv2DBackpropFilter" for c in op.control_inputs), op.name
 
 
-def test_weight_gradients_larger_than_the_data_gradients_run_first():
+def test_matrix_weight_gradients_run_first():
     """NOTE [weight gradients first]: a tanh's gradient reads its output, which the matrix
-    gradient of the layer after it reads too; that gradient is 8 times the data gradient, so
-    it runs first rather than lag beside the data gradients' chain."""
+    gradient of the layer after it reads too; left free, the matrix gradients of a chain fall
+    behind the data gradients', each holding its activation, so they run first."""
     with tf.Graph().as_default() as graph:
         start = tf.Variable(tf.ones([8, 64]))
         weights = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(4)]

@@ -197,13 +197,16 @@ class _Backprop:
 # weight gradient part runs before the other readers of the gradients it reads that its call
 # made, unless such a reader is its ancestor (a part summing two gradients reads one of them
 # and the other's producer). The order serializes what plain backprop runs side by side on
-# the executor's threads, so it is left out where a lag costs nothing: where another
-# gradient holds the activation anyway (a ReLU's reads its output), the weight gradient is
-# smaller than the data gradient (a convolution's filter, not a wide layer's matrix, whose
-# lag measured a gradient more), and the data gradient's reader waits for nothing else (not
-# a sum with other branches' gradients, which holds it the longer the earlier it runs: an
-# Inception block's 'speed' peak 2 MiB higher). A residual CNN's 'speed' step took 1.18x
-# plain's with every weight gradient first and 1.07-1.09x so, at the same peak.
+# the executor's threads, so a convolution's filter gradient is left free where its lag
+# measured nothing: where another gradient holds the activation anyway (a ReLU's reads its
+# output), the filter gradient is smaller than the data gradient, and the data gradient's
+# reader waits for nothing else (not a sum with other branches' gradients, which holds it
+# the longer the earlier it runs: an Inception block's 'speed' peak 2 MiB higher). A
+# residual CNN's 'speed' step took 1.18x plain's with every weight gradient first and
+# 1.04-1.07x so, at the same peak. Matrix products keep the order: left free on the demo's
+# chain of 256-wide tanh layers, their weight gradients fell behind the data gradients'
+# chain, each holding its activation ('memory' at depth 32: 17.2 MiB against 14.2), and on
+# a chain of 1024-wide ones a gradient more.
 def _weight_gradients_first(parts: Sequence[Gradient], made: Sequence[tf.Operation]) -> None:
     position = {op: i for i, op in enumerate(made)}  # TensorFlow makes ops after their inputs
     part_ops = {t.op for t in _flat(parts)}
@@ -223,10 +226,12 @@ def _weight_gradients_first(parts: Sequence[Gradient], made: Sequence[tf.Operati
 
 
 def _may_lag(gradient: tf.Operation, siblings: set[tf.Operation], position: dict) -> bool:
-    """Whether the weight `gradient` may run beside its `siblings` (ops of `position`): another
-    of them holds what it reads from outside (the forward pass's tensors and their copies)
-    for more than its shape, and it makes less than each sibling, whose output goes
-    straight on."""
+    """Whether the weight `gradient`, a filter gradient, may run beside its `siblings` (ops of
+    `position`): another of them holds what it reads from outside (the forward pass's tensors
+    and their copies) for more than its shape, and it makes less than each sibling, whose
+    output goes straight on."""
+    if gradient.type not in _FILTER_GRADIENTS:
+        return False
     held_anyway = any(
         reader in position and reader is not gradient and reader.type not in costs.SHAPE_READERS
         for t in gradient.inputs
@@ -257,6 +262,10 @@ def _goes_straight_on(gradient: tf.Operation, position: dict) -> bool:
     )
 
 
+#: Convolutions' weight gradients: those measured to keep up beside their data gradients.
+_FILTER_GRADIENTS = frozenset(
+    {"Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter"}
+)
 #: Ops whose values are ready before the gradients reading them: shapes and constants.
 _GIVEN_AHEAD = costs.SHAPE_OF | {"Const"}
 
