@@ -262,10 +262,9 @@ def _goes_straight_on(gradient: tf.Operation, position: dict) -> bool:
     )
 
 
-#: Convolutions' weight gradients: those measured to keep up beside their data gradients.
-_FILTER_GRADIENTS = frozenset(
-    {"Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter"}
-)
+#: Convolutions' weight gradients measured to keep up beside their data gradients (the
+#: residual CNN, ResNet50, the U-Net, Inception, DenseNet121, MobileNetV2).
+_FILTER_GRADIENTS = frozenset({"Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter"})
 #: Ops whose values are ready before the gradients reading them: shapes and constants.
 _GIVEN_AHEAD = costs.SHAPE_OF | {"Const"}
 
