@@ -278,14 +278,17 @@ def test_independent_branches_are_recomputed_one_after_the_other():
     assert checkpointed <= 2 * (n - k) + 2 + SLACK_MB
 
 
-def recomputed_data_gradients(concatenated: bool) -> dict[str, bool]:
-    """For a chain of a ReLU then four convolutions with ReLUs, each reading the ReLU before
-    it or a concatenation of it with itself, checkpointed in the middle: whether each
-    recomputed convolution's input gradient waits for a filter gradient, by name."""
+def recomputed_data_gradients(
+    concatenated: bool, size: int = 8, channels: int = 4
+) -> dict[str, bool]:
+    """For a chain of a ReLU then four convolutions with ReLUs (`channels` wide, on
+    `size`x`size` images), each reading the ReLU before it or a concatenation of it with
+    itself, checkpointed in the middle: whether each recomputed convolution's input gradient
+    waits for a filter gradient, by name."""
     with tf.Graph().as_default() as graph:
-        start = tf.Variable(tf.ones([2, 8, 8, 4]))
-        channels = 8 if concatenated else 4
-        kernels = [tf.Variable(tf.ones([3, 3, channels, 4]) * 0.1) for _ in range(4)]
+        start = tf.Variable(tf.ones([2, size, size, channels]))
+        read_channels = 2 * channels if concatenated else channels
+        kernels = [tf.Variable(tf.ones([3, 3, read_channels, channels]) * 0.1) for _ in range(4)]
         h, hidden = tf.nn.relu(start.read_value()), []
         for kernel in kernels:
             read = tf.concat([h, h], -1) if concatenated else h
@@ -308,6 +311,14 @@ def test_weight_gradients_run_first_where_they_free_the_activation():
     assert ordered and all(ordered.values()), ordered
     free = recomputed_data_gradients(concatenated=False)
     assert free and not any(free.values()), free
+
+
+def test_weight_gradients_run_first_where_they_outweigh_the_data_gradient():
+    """NOTE [weight gradients first]: only a filter gradient smaller than the input gradient
+    beside it is left free to lag; with many channels on a small image it is the larger, and
+    runs first even where a ReLU's gradient holds the activation."""
+    ordered = recomputed_data_gradients(concatenated=False, size=2, channels=64)
+    assert ordered and all(ordered.values()), ordered
 
 
 def test_weight_gradients_run_first_where_branches_sum_their_data_gradients():
