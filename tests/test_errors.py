@@ -110,6 +110,18 @@ def test_speed_without_matmul_suggests_memory():
             msg.gradients_speed(tf.reduce_sum(tf.tanh(tf.sin(x))), x)
 
 
+def test_refusals_inside_tf_function_keep_their_type():
+    """Raised through AutoGraph's converted code, the error is still a NoCheckpointsError
+    (it used to arrive as a StagingError)."""
+
+    @tf.function
+    def step(x):
+        return msg.gradients_speed(tf.reduce_sum(tf.tanh(tf.sin(x))), x)
+
+    with pytest.raises(msg.NoCheckpointsError, match="'memory'"):
+        step(tf.ones([3]))
+
+
 def test_unusable_checkpoints_are_logged_with_the_reason(caplog):
     with tf.Graph().as_default():
         x, ws, hidden, loss = chain()

@@ -210,6 +210,24 @@ def test_loops_reading_variables_are_kept_and_named_with_what_to_do(caplog):
 
 
 @pytest.mark.tf2_only
+def test_speed_names_the_loops_its_matmuls_run_in():
+    """'speed' keeps matmul outputs; where every matmul runs inside a loop reading a variable,
+    which is never recomputed, it refuses naming the loops and what to do, and with the
+    values passed in as tensors keeps the loops' outputs."""
+    weights = square_weights(3, 8)
+
+    @tf.function
+    def step(read_inside):
+        loss = looped_chain(weights, tf.ones((4, 8)), read_inside)
+        return msg.gradients(loss, weights, checkpoints="speed"), tf.gradients(loss, weights)
+
+    with pytest.raises(msg.NoCheckpointsError, match=r"inside loops.*'while'.*convert_to_tensor"):
+        step(True)
+    got, want = step(False)
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+
+
+@pytest.mark.tf2_only
 def test_loops_with_other_state_inside_get_the_general_reason():
     """A loop drawing random numbers inside stays stateful whatever it is given."""
     weights = square_weights(2, 8)

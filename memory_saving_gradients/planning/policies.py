@@ -67,6 +67,11 @@ _LIST_LABEL = "the checkpoint list"
 class NoCheckpointsError(ValueError):
     """No usable checkpoint between xs and ys; the message says what to try instead."""
 
+    # AutoGraph re-raises an error from a converted tf.function's code as its own type only
+    # where it can rebuild it from a message, which it knows by this `__init__`; any other
+    # reaches the caller as a StagingError, which `except NoCheckpointsError` misses.
+    __init__ = Exception.__init__
+
 
 def add_checkpoint(tensor: tf.Tensor) -> tf.Tensor:
     """Add `tensor` to its graph's 'checkpoints' collection and return it, for inline use."""
@@ -106,7 +111,7 @@ def speed(view: ForwardView, label: str) -> Plan:
         ],
     )
     if not expensive:
-        raise _nothing_kept(label, _SPEED_ADVICE)
+        raise _nothing_kept(label, _speed_advice(view))
     kept = expensive
     while repeated := recomputed_repeatedly(view, kept):
         ends = [
@@ -185,6 +190,20 @@ def _leading(view: ForwardView, tensors: list[tf.Tensor], share: float) -> list[
         chosen.append(t)
         size += view.bytes(t)
     return chosen
+
+
+def _speed_advice(view: ForwardView) -> str:
+    """What to do where 'speed' finds nothing to keep: its matmuls and convolutions may run
+    only inside loops, conds or nested tf.functions kept because they read variables."""
+    inside_kept = [op.name for op in view.kept_for_variable_reads if _is_expensive(op)]
+    if not inside_kept:
+        return _SPEED_ADVICE
+    return (
+        f"its matmuls and convolutions run only inside loops, conds or nested tf.functions "
+        f"that read variables, which makes them stateful, so they are never recomputed "
+        f"(e.g. {inside_kept[:3]}). Pass the variables' values in as tensors "
+        f"(tf.convert_to_tensor(variable) outside them), or use checkpoints='memory'"
+    )
 
 
 def _is_expensive(op: tf.Operation) -> bool:
