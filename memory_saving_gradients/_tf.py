@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.framework import func_graph, op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import (
@@ -332,6 +332,12 @@ def add_control_inputs(op: tf.Operation, control_ops: Iterable[tf.Operation]) ->
 def creation_index(op: tf.Operation) -> int:
     """Where `op` was created in its graph: ops made later have larger indices."""
     return op._id
+
+
+def tape_recording() -> bool:
+    """Whether a GradientTape or ForwardAccumulator records the ops being built now: each
+    records an op as its Python wrapper makes it, so it never sees the ops `copy_op` makes."""
+    return record.could_possibly_record()
 
 
 def is_stateful(op: tf.Operation) -> bool:

@@ -129,8 +129,8 @@ def compute_gradients(
     args = arguments.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
         gradient_options = dataclasses.replace(options, stop_gradients=args.stop_gradients)
-        if args.only_tensorflow:
-            logger.info("Computing TensorFlow's own gradients: %s.", args.only_tensorflow)
+        if args.only_tensorflow or _tf.tape_recording():
+            _log_only_tensorflow(args.only_tensorflow)
             return plain_gradients(
                 args.ys, args.xs, args.grad_ys, gradient_options, args.unconnected_gradients
             )
@@ -214,6 +214,22 @@ def plan(
             measured=costs,
         )
         return plan_for(view, checkpoints).predicted()
+
+
+def _log_only_tensorflow(reason: str | None) -> None:
+    """Say why TensorFlow's own gradients are computed: `reason`, or else a tape recording
+    this call, which would differentiate these gradients through ops it never saw (and holds
+    the whole forward pass for that anyway), a warning as it costs the savings."""
+    if reason:
+        logger.info("Computing TensorFlow's own gradients: %s.", reason)
+    else:
+        logger.warning(
+            "A GradientTape or ForwardAccumulator is recording this gradient call: it would "
+            "not see the recomputed ops, so its gradients of these gradients would be wrong. "
+            "Computing TensorFlow's own gradients, which save nothing. Where nothing "
+            "differentiates these gradients, take them outside the tape's `with` block (or "
+            "under its stop_recording()) to checkpoint them."
+        )
 
 
 def _log_plan(plan: Plan) -> None:

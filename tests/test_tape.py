@@ -359,3 +359,20 @@ def test_strategy_is_chosen_per_tape():
     }
     assert {"Tanh", "Tanh_1"} <= recomputed
     assert not {"Tanh_2", "Tanh_3"} & recomputed
+
+
+def test_jacobians_are_tensorflows():
+    """`jacobian` and `batch_jacobian` call `gradient` inside a loop TensorFlow vectorizes:
+    checkpointed there, the jacobian of a weight came back None and batch jacobians wrong.
+    They take TensorFlow's own gradients."""
+    weights, x = chain()
+
+    def body(tape_class):
+        inputs = tf.identity(x)
+        with tape_class(persistent=True) as tape:
+            tape.watch(inputs)
+            h = forward(weights, inputs)
+        return tape.jacobian(h, weights[0]), tape.batch_jacobian(h, inputs)
+
+    reference, got, _ = both_tapes(body)
+    assert_same_structures(reference, got)

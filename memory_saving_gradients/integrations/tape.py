@@ -58,7 +58,7 @@ class GradientTape(tf.GradientTape):
     'collection', a `MemoryBudget`, a list); `gradients_held` is its argument of that name
     (pass True where the step keeps every gradient until the last is made, e.g. to check
     them all for overflow); `costs` too (a plain step measured by `measure_costs`).
-    `jacobian` and `batch_jacobian` are those of `tf.GradientTape` (not checkpointed).
+    `jacobian` and `batch_jacobian` are those of `tf.GradientTape`, not checkpointed.
     """
 
     def __init__(
@@ -77,6 +77,7 @@ class GradientTape(tf.GradientTape):
         self._spans: list[_Span] = []
         self._watched_tensors: list[tf.Tensor] = []
         self._used = False
+        self._plain_only = False
 
     def __enter__(self) -> GradientTape:
         super().__enter__()
@@ -143,7 +144,7 @@ class GradientTape(tf.GradientTape):
                 "GradientTape.gradient got target=None; pass the tensor(s) to differentiate."
             )
         unconnected = tf.UnconnectedGradients(unconnected_gradients)
-        if self._only_plain_gradients(target, sources):
+        if self._plain_only or self._only_plain_gradients(target, sources):
             return super().gradient(target, sources, output_gradients, unconnected)
         if not self._persistent_tape and self._close_span():
             super().__exit__(None, None, None)  # stop recording, as tf.GradientTape does
@@ -152,6 +153,26 @@ class GradientTape(tf.GradientTape):
         )
         self._used = not self._persistent_tape
         return tf.nest.pack_sequence_as(sources, flat_grads)
+
+    def jacobian(self, *args, **kwargs):
+        """`tf.GradientTape.jacobian`, with TensorFlow's own gradients: it vectorizes its loop
+        over the target's entries by rewriting every op the gradient builds, and checkpointed
+        gradients inside it came out wrong."""
+        with self._plain_gradients():
+            return super().jacobian(*args, **kwargs)
+
+    def batch_jacobian(self, *args, **kwargs):
+        """`tf.GradientTape.batch_jacobian`, with TensorFlow's own gradients (`jacobian`)."""
+        with self._plain_gradients():
+            return super().batch_jacobian(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _plain_gradients(self) -> Iterator[None]:
+        self._plain_only = True
+        try:
+            yield
+        finally:
+            self._plain_only = False
 
     def _only_plain_gradients(self, target, sources) -> bool:
         """Whether only `tf.GradientTape`'s own gradients can be had here; the reason is logged."""

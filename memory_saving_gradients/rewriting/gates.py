@@ -92,14 +92,14 @@ def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:
     )
 
 
-def _constant(graph: tf.Graph, value: int | list[int]) -> tf.Tensor:
-    """An int64 constant of `graph`, made once and found again by its name (a cache outside
+def _constant(graph: tf.Graph, value: int | list[int], dtype: tf.DType = tf.int64) -> tf.Tensor:
+    """An integer constant of `graph`, made once and found again by its name (a cache outside
     the graph would hold the graph, and everything it captured, alive)."""
     values = value if isinstance(value, list) else [value]
-    name = "memory_saving_gradients_int64_" + "_".join(str(v) for v in values)
+    name = f"memory_saving_gradients_{dtype.name}_" + "_".join(str(v) for v in values)
     if not isinstance(value, list):
         name += "_scalar"
-    return _made_once(graph, name, lambda: tf.constant(value, tf.int64, name=name))
+    return _made_once(graph, name, lambda: tf.constant(value, dtype, name=name))
 
 
 def _unfoldable_zero(graph: tf.Graph) -> tf.Tensor:
@@ -161,7 +161,8 @@ def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor
             return tf.raw_ops.Identity(input=tensor)
     if rank not in starts:
         with tf.device(zero.op.device):
-            starts[rank] = tf.fill(_constant(tensor.graph, [rank]), zero)
+            # int32 dims: vectorized (tf.vectorized_map), a Fill prepends the int32 count
+            starts[rank] = tf.fill(_constant(tensor.graph, [rank], tf.int32), zero)
     sizes = _constant(tensor.graph, [-1 if d is None else d for d in tensor.shape.as_list()])
     with placed_like(tensor):
         return tf.raw_ops.Slice(input=tensor, begin=starts[rank], size=sizes)
