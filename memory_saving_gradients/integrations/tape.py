@@ -155,9 +155,9 @@ class GradientTape(tf.GradientTape):
         return tf.nest.pack_sequence_as(sources, flat_grads)
 
     def jacobian(self, *args, **kwargs):
-        """`tf.GradientTape.jacobian`, with TensorFlow's own gradients: it vectorizes its loop
-        over the target's entries by rewriting every op the gradient builds, and checkpointed
-        gradients inside it came out wrong."""
+        """`tf.GradientTape.jacobian`, with TensorFlow's own gradients: inside a loop it
+        vectorizes, it differentiates slices of the target recorded outside this tape's
+        spans (checkpointed, a weight's jacobian came back None)."""
         with self._plain_gradients():
             return super().jacobian(*args, **kwargs)
 

@@ -161,7 +161,7 @@ def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor
             return tf.raw_ops.Identity(input=tensor)
     if rank not in starts:
         with tf.device(zero.op.device):
-            # int32 dims: vectorized (tf.vectorized_map), a Fill prepends the int32 count
+            # int32 dims: tf.vectorized_map vectorizes a Fill by prepending its int32 count
             starts[rank] = tf.fill(_constant(tensor.graph, [rank], tf.int32), zero)
     sizes = _constant(tensor.graph, [-1 if d is None else d for d in tensor.shape.as_list()])
     with placed_like(tensor):
