@@ -8,7 +8,12 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from tests.helpers import assert_recomputes, assert_same_gradients, run_with_nones
+from tests.helpers import (
+    assert_recomputes,
+    assert_same_gradients,
+    run_with_nones,
+    square_weights,
+)
 
 tf1 = tf.compat.v1
 
@@ -108,6 +113,19 @@ def test_speed_without_matmul_suggests_memory():
         x = tf1.placeholder(tf.float32, [3])
         with pytest.raises(msg.NoCheckpointsError, match="'memory'"):
             msg.gradients_speed(tf.reduce_sum(tf.tanh(tf.sin(x))), x)
+
+
+def test_speed_names_the_matmuls_it_finds_kept_anyway():
+    """Where every matmul is an op never recomputed, inside a cond (a TF1 control-flow frame,
+    or a TF2 cond reading a variable), 'speed' has none to keep: the refusal names them and
+    why, rather than saying the forward pass has none."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [4, 8])
+        h, ws = x, square_weights(2, 8)
+        for w in ws:
+            h = tf.cond(tf.constant(True), lambda h=h, w=w: tf.tanh(h @ w), lambda h=h: h) * 1.5
+        with pytest.raises(msg.NoCheckpointsError, match=r"never recomputed.*\['cond"):
+            msg.gradients_speed(tf.reduce_sum(h), ws)
 
 
 def test_refusals_inside_tf_function_keep_their_type():

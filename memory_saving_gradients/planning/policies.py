@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import costs
-from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.analysis.view import ForwardView, why_not_recomputable
 from memory_saving_gradients.planning import search, simulation, tunables
 from memory_saving_gradients.planning.plans import Plan
 from memory_saving_gradients.planning.schedule import recomputed_repeatedly, saveable
@@ -193,16 +193,23 @@ def _leading(view: ForwardView, tensors: list[tf.Tensor], share: float) -> list[
 
 
 def _speed_advice(view: ForwardView) -> str:
-    """What to do where 'speed' finds nothing to keep: its matmuls and convolutions may run
-    only inside loops, conds or nested tf.functions kept because they read variables."""
-    inside_kept = [op.name for op in view.kept_for_variable_reads if _is_expensive(op)]
-    if not inside_kept:
+    """What to do where 'speed' finds nothing to keep: where the matmuls and convolutions are
+    all ops never recomputed (kept anyway), which they are and why."""
+    kept = [op for op in view.ops if op not in view.recomputable and _is_expensive(op)]
+    if not kept:
         return _SPEED_ADVICE
+    names = [op.name for op in kept[:3]]
+    if set(kept) <= set(view.kept_for_variable_reads):
+        return (
+            f"its matmuls and convolutions run only inside loops, conds or nested "
+            f"tf.functions that read variables, which makes them stateful, so they are never "
+            f"recomputed (e.g. {names}). Pass the variables' values in as tensors "
+            f"(tf.convert_to_tensor(variable) outside them), or use checkpoints='memory'"
+        )
+    reason = why_not_recomputable(kept[0], frozenset(x.op for x in view.xs))
     return (
-        f"its matmuls and convolutions run only inside loops, conds or nested tf.functions "
-        f"that read variables, which makes them stateful, so they are never recomputed "
-        f"(e.g. {inside_kept[:3]}). Pass the variables' values in as tensors "
-        f"(tf.convert_to_tensor(variable) outside them), or use checkpoints='memory'"
+        f"its matmuls and convolutions are never recomputed, so they are kept anyway (e.g. "
+        f"{names}: {reason}); use checkpoints='memory' or pass a list of tensors"
     )
 
 
