@@ -22,6 +22,12 @@ measured peak; "time" is measured over plain, "predicted" the plan's `time_ratio
 tensors requested (`peak_trace.profiled`) beside the allocator's peak: what the simulator
 models. The difference is the allocator's rounding (a free block of up to twice a request is
 handed out whole), which depends on the blocks the process's earlier steps left.
+`--grow MIB` first makes one free block of MIB, from which each request is cut to its size
+(the "grown allocator" of benchmarks/cost_model.py and xla.py), so that the allocator's peak
+reads what the step needs rather than what this process ran before.
+
+    python benchmarks/measured_costs.py --models MobileNetV2 --size 96 --batch 16 \
+        --policy mixed_bfloat16 --requested --grow 2048
 """
 
 from __future__ import annotations
@@ -162,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--targets", action="store_true")
     parser.add_argument("--requested", action="store_true", help="profile requested bytes")
+    parser.add_argument("--grow", type=int, default=0, metavar="MIB", help="grow the allocator")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.policy)
+    if args.grow:
+        grow = tf.zeros([args.grow * MiB // 4])  # the free block each request is cut from
+        del grow
+    print(f"allocator: {f'grown by {args.grow} MiB' if args.grow else 'as the process starts'}")
     rows = []
     for name in args.models:
         rows += bench(
