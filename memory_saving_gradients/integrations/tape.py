@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 
@@ -154,14 +155,14 @@ class GradientTape(tf.GradientTape):
         self._used = not self._persistent_tape
         return tf.nest.pack_sequence_as(sources, flat_grads)
 
-    def jacobian(self, *args, **kwargs):
+    def jacobian(self, *args: Any, **kwargs: Any) -> Any:
         """`tf.GradientTape.jacobian`, with TensorFlow's own gradients: inside a loop it
         vectorizes, it differentiates slices of the target recorded outside this tape's
         spans (checkpointed, a weight's jacobian came back None)."""
         with self._plain_gradients():
             return super().jacobian(*args, **kwargs)
 
-    def batch_jacobian(self, *args, **kwargs):
+    def batch_jacobian(self, *args: Any, **kwargs: Any) -> Any:
         """`tf.GradientTape.batch_jacobian`, with TensorFlow's own gradients (`jacobian`)."""
         with self._plain_gradients():
             return super().batch_jacobian(*args, **kwargs)

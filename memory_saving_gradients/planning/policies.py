@@ -194,22 +194,16 @@ def _leading(view: ForwardView, tensors: list[tf.Tensor], share: float) -> list[
 
 def _speed_advice(view: ForwardView) -> str:
     """What to do where 'speed' finds nothing to keep: where the matmuls and convolutions are
-    all ops never recomputed (kept anyway), which they are and why."""
+    all ops never recomputed (kept anyway), which they are and why (`why_not_recomputable`:
+    for a loop reading variables, how to let it be recomputed)."""
     kept = [op for op in view.ops if op not in view.recomputable and _is_expensive(op)]
     if not kept:
         return _SPEED_ADVICE
-    names = [op.name for op in kept[:3]]
-    if set(kept) <= set(view.kept_for_variable_reads):
-        return (
-            f"its matmuls and convolutions run only inside loops, conds or nested "
-            f"tf.functions that read variables, which makes them stateful, so they are never "
-            f"recomputed (e.g. {names}). Pass the variables' values in as tensors "
-            f"(tf.convert_to_tensor(variable) outside them), or use checkpoints='memory'"
-        )
     reason = why_not_recomputable(kept[0], frozenset(x.op for x in view.xs))
     return (
         f"its matmuls and convolutions are never recomputed, so they are kept anyway (e.g. "
-        f"{names}: {reason}); use checkpoints='memory' or pass a list of tensors"
+        f"{[op.name for op in kept[:3]]}: {reason}); use checkpoints='memory' or pass a list "
+        f"of tensors"
     )
 
 
