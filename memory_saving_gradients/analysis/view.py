@@ -195,6 +195,52 @@ class ForwardView:
         return {op: costs.measured_cost(cost, found.get(op.name)) for op, cost in static.items()}
 
     @cached_property
+    def weight_ops(self) -> frozenset[tf.Operation]:
+        """The recomputable ops computed from variables' values and constants alone (a kernel
+        cast to half precision, a transposed weight). Nothing but the variables holds them
+        back, so the executor runs them as a step starts (NOTE [weight ops wait for their
+        readers])."""
+        found: set[tf.Operation] = set()
+        for op in self.ops:
+            if (
+                op in self.recomputable
+                and op.inputs
+                and all(t.op in found or _is_weight_value(t) for t in op.inputs)
+            ):
+                found.add(op)
+        return frozenset(found)
+
+    @cached_property
+    def weight_op_waits(self) -> dict[tf.Operation, tuple[tf.Operation, ...]]:
+        """For each of the first `weight_ops` of a chain that one matmul or convolution past
+        the chain reads, the ops it is to wait for: those making the inputs of the ops making
+        that reader's other inputs (NOTE [weight ops wait for their readers]). Chains read by
+        several ops are left free."""
+        weights = self.weight_ops
+
+        def made_by(op: tf.Operation) -> list[tf.Operation]:
+            return [t.op for t in op.inputs if t.op not in weights and not _is_weight_value(t)]
+
+        waits = {}
+        for op in self.ops:
+            if op not in weights or any(t.op in weights for t in op.inputs):
+                continue
+            reader = _only_reader_past(op, weights)
+            if reader is None or reader.type not in costs.CONTRACTIONS:
+                continue
+            before = tuple(dict.fromkeys(w for maker in made_by(reader) for w in made_by(maker)))
+            if before:
+                waits[op] = before
+        return waits
+
+    @property
+    def weight_ops_run_early(self) -> bool:
+        """Whether the forward pass runs `weight_ops` as the step starts, not made to wait: in
+        a tf.compat.v1 graph, whose ops a Session may have run already (NOTE [weight ops wait
+        for their readers])."""
+        return bool(self.ops) and not self.ops[0].graph.building_function
+
+    @cached_property
     def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
         """The tensors whose gradients are those of xs: the xs and their `reads_of`."""
         return (*self.xs, *(out for x in self.xs for out in self.reads_of(x)))
@@ -237,6 +283,43 @@ class ForwardView:
     def consumers(self, tensor: tf.Tensor) -> list[tf.Operation]:
         """The ops of this view that read `tensor`."""
         return [op for op in tensor.consumers() if op in self.position]
+
+
+# NOTE [weight ops wait for their readers]: an op computed from variables alone, such as
+# the half-precision copy of a kernel Keras casts under a mixed-precision policy, is ready
+# as soon as a step starts, and TensorFlow's executor runs every ready op: each copy is then
+# alive from the start until its reader runs. In ResNet50 under mixed_bfloat16 (96x96, batch
+# 16) that held all 51 MiB of kernel copies while the first blocks ran: 'memory' measured
+# 75.8 MiB of live tensors where 53.0 were predicted, and each step recomputing a segment
+# did the same at its gate. So the rewrite makes the first op of each chain a matmul or
+# convolution reads wait (a control dependency) for the ops one before its reader: for what
+# the ops making the reader's other inputs read. Not for those ops themselves, which graph
+# optimizers may merge into the reader (oneDNN folds a Pad into the convolution reading it):
+# the merged op would inherit the dependency and wait for its own input (a cycle). It waits
+# in the forward pass where that runs in a function (53.8 MiB), and in every recomputed copy.
+# A tf.compat.v1 graph's forward ops are left as they are, as a Session that has run them
+# ignores changes to them (and warns); the simulator runs them first there. Chains read by
+# several ops, and small weights read by other ops (biases, scales), are left free.
+def _is_weight_value(tensor: tf.Tensor) -> bool:
+    """Whether `tensor` is a variable's value or a constant: there before a step starts."""
+    op = tensor.op
+    if op.type == "Const":
+        return True
+    return op.type in VARIABLE_READS and any(
+        t.dtype == tf.resource or t.dtype != t.dtype.base_dtype for t in op.inputs
+    )
+
+
+def _only_reader_past(op: tf.Operation, chain: frozenset[tf.Operation]) -> tf.Operation | None:
+    """The one op past `chain` that reads what `op` starts, following ops of `chain` that
+    each have one reader; None where some op on the way has another number of readers."""
+    while True:
+        readers = {reader for out in op.outputs for reader in out.consumers()}
+        if len(readers) != 1:
+            return None
+        (op,) = readers
+        if op not in chain:
+            return op
 
 
 #: Below this fraction of a view's kernels found in a profile, it was likely of another graph.

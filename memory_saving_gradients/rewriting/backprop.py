@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
@@ -213,8 +213,15 @@ def checkpointed_gradients(
     """Gradients of the ys of `schedule.view` with respect to its xs (None where unconnected),
     running `schedule`: keeping its boundaries from the forward pass, and recomputing each
     step's segment, keeping only its inner schedule's boundaries where it has one (nested
-    recomputation)."""
-    return _run(schedule, schedule.view.ys, grad_ys, options, _Values())
+    recomputation). Weight ops wait for their readers (NOTE [weight ops wait for their
+    readers] in analysis/view.py): in the forward pass where it runs in a function, and in
+    every copy."""
+    view = schedule.view
+    waits = view.weight_op_waits
+    if not view.weight_ops_run_early:
+        for op, inputs_of_reader in waits.items():
+            _tf.add_control_inputs(op, inputs_of_reader)
+    return _run(schedule, view.ys, grad_ys, options, _Values(), waits)
 
 
 def _run(
@@ -223,12 +230,14 @@ def _run(
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
     values: _Values,
+    waits: Mapping[tf.Operation, Sequence[tf.Operation]],
     last_scope: str = "segment",
 ) -> list[Gradient | None]:
     """Backprop from `ys` (of `schedule.view`; `grad_ys` arriving at them) into its xs, with
     `values` standing for its tensors; gradient parts are kept by the tensor they are for.
-    The last segment's gradients are built under `last_scope`, where its copies are (NOTE
-    [names of recomputed ops])."""
+    Copies of the ops of `waits` wait for those of the ops it gives. The last segment's
+    gradients are built under `last_scope`, where its copies are (NOTE [names of recomputed
+    ops])."""
     view = schedule.view
     _report_repeated_recomputation(view, schedule.checkpoints)
     user_stopped = {t.op for t in options.stop_gradients}
@@ -280,6 +289,7 @@ def _run(
                 gated,
                 values.copies,
                 stand_in=functools.partial(_saved_in, saved),
+                waits=waits,
             )
             targets = _targets(segment, gated, values)
             if step.inner is not None:
@@ -292,7 +302,13 @@ def _run(
                 )
                 inner_values = _Values({**values.copies, **copies}, gated)
                 gradients = _run(
-                    step.inner, reached, incoming, inner_options, inner_values, recompute_scope
+                    step.inner,
+                    reached,
+                    incoming,
+                    inner_options,
+                    inner_values,
+                    waits,
+                    recompute_scope,
                 )
                 # The inner backward pass ends at its xs, the tensors this step gates.
                 of_xs = {x.ref(): g for x, g in zip(step.inner.view.xs, gradients, strict=True)}

@@ -34,7 +34,10 @@ gradients read; each step then recomputes its segments into new buffers (with ne
 checkpoints, keeping only those and recomputing the inner segments once more), differentiates
 them, and frees the boundaries no later step reads (`peaks`). Under XLA a step also copies
 what its matmuls and convolutions read through its gate (`Simulator.gate_copies`). A
-recomputed op whose outputs nothing reads is not run: the executor prunes it.
+recomputed op whose outputs nothing reads is not run: the executor prunes it. Ops computed
+from variables alone (a kernel's half-precision copy) run as their reader is about to, as the
+rewrite makes them wait; in the forward pass of a tf.compat.v1 graph, which it leaves as
+built, as the step starts (NOTE [weight ops wait for their readers] in analysis/view.py).
 
 What this leaves out, measured against TensorFlow (benchmarks/cost_model.py,
 benchmarks/measured_costs.py): the executor times ops to choose which of the ready ones

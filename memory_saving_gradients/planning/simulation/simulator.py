@@ -108,6 +108,17 @@ class Simulator:
                 ledger.release(original)
         return frozenset(copied)
 
+    def forward_order(self) -> list[int]:
+        """The positions of the view's ops in the order the forward pass runs them: in
+        topological order, but for weight ops that nothing makes wait, which run as the step
+        starts (NOTE [weight ops wait for their readers] in analysis/view.py)."""
+        view = self.view
+        order = list(range(len(view.ops)))
+        if not view.weight_ops_run_early:
+            return order
+        early = view.weight_ops | {t.op for op in view.weight_ops for t in op.inputs}
+        return sorted(order, key=lambda position: view.ops[position] not in early)
+
     def positions(self, ops: Iterable[tf.Operation]) -> list[int]:
         """The positions of those of `ops` that are the view's, in topological order."""
         position = self.view.position
