@@ -128,7 +128,8 @@ class Order:
                     made.append(i)
                     last.append(end)
                     bytes_ = 0 if tensor.ref() in saved_refs else costs.tensor_bytes(tensor)
-                    weight.append(bytes_ if kept else bytes_ * (1 + tunables.TIE_BREAK))
+                    tie_break = (not kept) - tunables.FUSION_SPLIT * _read_by_bias_add(tensor)
+                    weight.append(bytes_ * (1 + tunables.TIE_BREAK * tie_break))
         compute = np.array(
             [0.0 if saved_bytes[i] else cost[op].compute for i, op in enumerate(ops)]
         )
@@ -356,6 +357,15 @@ def _held_gradients(view: ForwardView, position: dict[tf.Operation, int]) -> np.
             readers = [position[op] for op in view.consumers(tensor) if op in position]
             gradients[: max(readers, default=len(position) - 1) + 1] += costs.tensor_bytes(tensor)
     return gradients
+
+
+def _read_by_bias_add(tensor: tf.Tensor) -> bool:
+    """Whether `tensor` is read only as the value a BiasAdd adds a bias to (a convolution's or
+    matmul's output), which graph optimizers fuse with its producer (`tunables.FUSION_SPLIT`)."""
+    readers = tensor.consumers()
+    return bool(readers) and all(
+        r.type == "BiasAdd" and r.inputs[0].ref() == tensor.ref() for r in readers
+    )
 
 
 def _read_by_gradients(view: ForwardView, cost: dict[tf.Operation, costs.OpCost]) -> set:
