@@ -5,7 +5,9 @@ compositions (call ops), Keras applications with TensorFlow's graph optimizers o
 of the tf.gradients contract, and patched TensorFlow's callers.
 """
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -118,6 +120,17 @@ def assert_close_to_scale(reference, got, rtol=1e-5):
     assert_same_gradients(reference, got, rtol=rtol, atol=rtol * scale)
 
 
+@contextlib.contextmanager
+def dtype_policy(name: str) -> Iterator[None]:
+    """Keras layers built inside compute under the dtype policy `name`."""
+    policy = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_dtype_policy(policy)
+
+
 @pytest.mark.tf2_only
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 def test_keras_resnet50_with_onednn_fusions(strategy):
@@ -133,14 +146,10 @@ def test_keras_resnet50_with_onednn_fusions(strategy):
 
 @pytest.mark.tf2_only
 def test_keras_resnet50_equals_tf_gradients_in_float64():
-    policy = keras.mixed_precision.dtype_policy()
-    keras.mixed_precision.set_dtype_policy("float64")
-    try:
+    with dtype_policy("float64"):
         keras.utils.set_random_seed(0)
         model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
         assert_close_to_scale(*keras_gradients(model, "memory"), rtol=1e-10)
-    finally:
-        keras.mixed_precision.set_dtype_policy(policy)
 
 
 @pytest.mark.tf2_only
@@ -151,14 +160,10 @@ def test_keras_resnet50_under_mixed_bfloat16():
     bfloat16 keeps 8 bits: all gradients but one agree to 0.1% of the largest, and a bias
     before batch normalization, whose gradient is analytically zero, to 0.4% (so with the
     copies left free too)."""
-    policy = keras.mixed_precision.dtype_policy()
-    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
-    try:
+    with dtype_policy("mixed_bfloat16"):
         keras.utils.set_random_seed(0)
         model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
         assert_close_to_scale(*keras_gradients(model, "memory"), rtol=1e-2)
-    finally:
-        keras.mixed_precision.set_dtype_policy(policy)
 
 
 def residual_cnn(blocks: int = 4, channels: int = 8) -> keras.Model:
@@ -184,9 +189,7 @@ def test_bias_gradients_under_mixed_bfloat16_keep_their_fused_kernel():
     2.2% of `tf.gradients`' (bfloat16 keeps 8 bits, and its round-off reaches 11% of a
     kernel's gradient here between TensorFlow's own graphs with and without grappler's
     fusions)."""
-    policy = keras.mixed_precision.dtype_policy()
-    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
-    try:
+    with dtype_policy("mixed_bfloat16"):
         model = residual_cnn()
         rng = np.random.default_rng(0)
         x = tf.constant(rng.standard_normal((16, 12, 12, 3)).astype("f4"))
@@ -201,8 +204,6 @@ def test_bias_gradients_under_mixed_bfloat16_keep_their_fused_kernel():
         got = run(
             lambda loss: msg.gradients(loss, model.trainable_variables, checkpoints="memory")
         )
-    finally:
-        keras.mixed_precision.set_dtype_policy(policy)
     for variable, want, have in zip(model.trainable_variables, reference, got, strict=True):
         if "bias" in variable.path:
             scale = float(np.abs(want).max())
@@ -223,16 +224,12 @@ def test_keras_mobilenet_v3_equals_tf_gradients_in_float64():
     analytically zero. In float32 the two differ by up to 6e-5 of the largest gradient (batch
     norm over 2x2 maps of batch 2 amplifies round-off, and recomputed ops fuse differently);
     in float64 by 1e-13, so the rewrite computes the same function."""
-    policy = keras.mixed_precision.dtype_policy()
-    keras.mixed_precision.set_dtype_policy("float64")
-    try:
+    with dtype_policy("float64"):
         keras.utils.set_random_seed(0)
         model = keras.applications.MobileNetV3Small(
             weights=None, input_shape=(64, 64, 3), classes=10, dropout_rate=0.0
         )
         reference, got = keras_gradients(model, "memory")
-    finally:
-        keras.mixed_precision.set_dtype_policy(policy)
     assert all(r.dtype == np.float64 for r in reference)
     assert_close_to_scale(reference, got, rtol=1e-10)
 
