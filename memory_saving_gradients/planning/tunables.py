@@ -13,11 +13,12 @@ BISECTION_STEPS = 30
 #: matmul output read only by a tanh): they die as soon as the recomputation past them starts,
 #: while a held one (the tanh output) lives on until its readers' gradients are done.
 TIE_BREAK = -1e-3
-#: Tie breaks a cut pays, against one, to keep a tensor read only by a BiasAdd: a cut there
-#: splits what oneDNN fuses, the product with its bias add, and the filter gradient with the
-#: bias gradient. TensorFlow's CPU kernel for a half-precision bias gradient alone sums in
-#: half precision: a ResNet-style block's bias gradient under mixed_bfloat16 was 0.125
-#: where the fused kernel gives 0.361.
+#: How many tie breaks a cut pays back to keep a tensor read only by a BiasAdd (it earns one
+#: where backprop does not hold the tensor), so that of equal cuts it takes the BiasAdd's
+#: output: a cut before the BiasAdd splits what oneDNN fuses, the product with its bias add,
+#: and the filter gradient with the bias gradient. TensorFlow's CPU kernel for a
+#: half-precision bias gradient alone sums in half precision: a residual block's bias
+#: gradient under mixed_bfloat16 was 0.125 where the fused kernel gives 0.361.
 FUSION_SPLIT = 2
 #: Levels of recomputation nested inside the top level, at most.
 MAX_NESTING = 3

@@ -219,8 +219,8 @@ def checkpointed_gradients(
     view = schedule.view
     waits = view.weight_op_waits
     if not view.weight_ops_run_early:
-        for op, inputs_of_reader in waits.items():
-            _tf.add_control_inputs(op, inputs_of_reader)
+        for op, before_reader in waits.items():
+            _tf.add_control_inputs(op, before_reader)
     return _run(schedule, view.ys, grad_ys, options, _Values(), waits)
 
 
