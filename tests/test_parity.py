@@ -5,9 +5,7 @@ compositions (call ops), Keras applications with TensorFlow's graph optimizers o
 of the tf.gradients contract, and patched TensorFlow's callers.
 """
 
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -17,6 +15,7 @@ from tensorflow.python.framework import function
 from tensorflow.python.ops import list_ops
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.models.command import dtype_policy
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,
@@ -118,17 +117,6 @@ def assert_close_to_scale(reference, got, rtol=1e-5):
     of all where it is (analytically) zero, as a bias before batch normalization is."""
     scale = max(float(np.abs(r).max()) for r in reference)
     assert_same_gradients(reference, got, rtol=rtol, atol=rtol * scale)
-
-
-@contextlib.contextmanager
-def dtype_policy(name: str) -> Iterator[None]:
-    """Keras layers built inside compute under the dtype policy `name`."""
-    policy = keras.mixed_precision.dtype_policy()
-    keras.mixed_precision.set_dtype_policy(name)
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_dtype_policy(policy)
 
 
 @pytest.mark.tf2_only

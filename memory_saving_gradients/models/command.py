@@ -286,12 +286,12 @@ def kind_of(name: str) -> Kind:
 def build(name: str, depth: int, shape: Shape) -> Model:
     """A fresh model (same seed every time) with its variables made where it is called."""
     keras.utils.set_random_seed(0)
-    with _dtype_policy(shape.dtype):
+    with dtype_policy(shape.dtype):
         return kind_of(name).build(depth, shape)
 
 
 @contextlib.contextmanager
-def _dtype_policy(dtype: str) -> Iterator[None]:
+def dtype_policy(dtype: str) -> Iterator[None]:
     """Keras layers made inside take `dtype` as their policy (mixed_float16: float16
     compute, float32 variables)."""
     before = keras.config.dtype_policy()
