@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.analysis import costs as msg_costs
 from memory_saving_gradients.analysis import measured
 from tests.helpers import assert_same_gradients, run_python
 
@@ -61,6 +62,29 @@ def test_a_gradients_kernels_hold_their_scratch_together_on_more_than_one_thread
     assert convolution.gradient_scratch_at_once(1) == 39 * 2**20
     assert convolution.gradient_scratch_at_once(2) == 66 * 2**20
     assert convolution.gradient_scratch_at_once(16) == 66 * 2**20
+    assert convolution.gradient_kernel_seconds == {
+        "Conv2DBackpropInput": 2e-3,
+        "Conv2DBackpropFilter": 2e-3,
+        "ShapeN": 1e-6,
+    }
+
+
+def test_a_gradients_kernels_are_timed_by_their_names_in_its_gradient_function():
+    """The simulator times a gradient's kernels apart (a convolution's input and filter
+    gradients): the profile's kernels carry the names the gradient function gives its ops."""
+    x = tf.Variable(tf.random.normal([8, 16, 16, 4]))
+    w = tf.Variable(tf.random.normal([3, 3, 4, 8]))
+
+    @tf.function
+    def step():
+        (gradient,) = tf.gradients(tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME", name="conv")), [w])
+        return tf.reduce_sum(gradient)
+
+    costs = msg.measure_costs(step, repeats=0).for_ops(["conv"])
+    use = msg_costs.gradient_use(step.get_concrete_function().graph.get_operation_by_name("conv"))
+    kernels = costs["conv"].gradient_kernel_seconds
+    assert "Conv2DBackpropFilter" in kernels and kernels["Conv2DBackpropFilter"] > 0
+    assert set(kernels) <= {step.name for step in use.steps}
 
 
 def _space(events):

@@ -1,5 +1,6 @@
 """The simulator's own bookkeeping: what it keeps per view while the planner tries plans."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -10,8 +11,8 @@ import memory_saving_gradients as msg
 from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import simulation
-from memory_saving_gradients.planning.simulation import executor
-from memory_saving_gradients.planning.simulation.numbering import Numbering
+from memory_saving_gradients.planning.simulation import executor, simulator
+from memory_saving_gradients.planning.simulation.numbering import GradientKernels, Numbering
 
 
 def test_a_views_numbering_is_made_once_and_forgotten_with_the_view():
@@ -33,16 +34,17 @@ def test_a_views_numbering_is_made_once_and_forgotten_with_the_view():
     assert forgotten == [True]
 
 
-@pytest.mark.parametrize("threads, peak_mb", [(1, 6), (2, 8)])
+@pytest.mark.parametrize("threads, peak_mb", [(1, 6), (2, 7)])
 def test_independent_gradients_run_side_by_side_on_more_than_one_thread(
     monkeypatch, threads, peak_mb
 ):
     """Two branches, each tanh(x) @ w then tanh, summed: each branch's matmul gradient makes
     two 1 MB products while its incoming gradient and what it read are alive. One inter-op
     thread runs the branches one after the other (the incoming gradient takes over the
-    tanh output's buffer): 4 MB held by the branches, 2 made. Two run both matmul gradients
-    at once, each branch holding its input, incoming gradient and both products: 8 MB.
-    Measured in Sessions of one and two inter-op threads: 6.2-7.3 and 7.2-8.3 MB."""
+    tanh output's buffer): 4 MB held by the branches, 2 made. Two run the branches side by
+    side, each running its matmul gradient's two kernels one after the other: 7 MB.
+    Measured in Sessions of one and two inter-op threads (the gradients reduced to sums,
+    eight runs each): 5.3 and 6.3 MB, two threads 1 MB above one, as predicted."""
     monkeypatch.setattr(costs, "inter_op_threads", lambda: threads)
     n = 500  # 1 MB tensors
     graph = tf.Graph()
@@ -59,16 +61,32 @@ def test_a_gradient_starts_only_once_the_gradients_it_waits_for_have_finished():
     and every gradient starts after those of its readers finished."""
     unblocks = {0: [], 1: [0], 2: [0], 3: [1, 2], 4: [3]}
     seconds = [1.0, 3.0, 2.0, 1.0, 1.0]
-    events = executor.backward_events(range(5), unblocks, seconds, threads=2)
-    assert sorted(events) == sorted((op, starts) for op in range(5) for starts in (True, False))
-    position = {event: i for i, event in enumerate(events)}
+    kernels = {op: [executor.Kernel(seconds[op], makers)] for op, makers in unblocks.items()}
+    events = executor.backward_events(range(5), kernels, threads=2)
+    assert sorted(events) == sorted((op, 0, starts) for op in range(5) for starts in (True, False))
+    position = {(op, starts): i for i, (op, _, starts) in enumerate(events)}
     for op, makers in unblocks.items():
         for maker in makers:
             assert position[(op, False)] < position[(maker, True)]
     assert position[(2, True)] < position[(1, False)]  # side by side
-    assert executor.backward_events(range(5), unblocks, seconds, threads=1) == [
-        (op, starts) for op in (4, 3, 2, 1, 0) for starts in (True, False)
+    assert executor.backward_events(range(5), kernels, threads=1) == [
+        (op, 0, starts) for op in (4, 3, 2, 1, 0) for starts in (True, False)
     ]
+
+
+def test_what_a_gradients_fast_kernel_makes_goes_on_while_its_slow_kernel_runs():
+    """A chain 0 -> 1 -> 2 where op 1's gradient has a fast kernel making op 0's input's
+    gradient and a slow one making a weight's: op 0's gradient starts on the other thread as
+    the fast kernel finishes, while the slow one still runs."""
+    kernels = {
+        0: [executor.Kernel(1.0, [])],
+        1: [executor.Kernel(1.0, [0]), executor.Kernel(5.0, [])],
+        2: [executor.Kernel(1.0, [1])],
+    }
+    events = executor.backward_events(range(3), kernels, threads=2)
+    position = {event: i for i, event in enumerate(events)}
+    assert position[(1, 0, False)] < position[(0, 0, True)] < position[(1, 1, False)]
+    assert position[(0, 0, False)] < position[(1, 1, False)]
 
 
 def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
@@ -110,3 +128,46 @@ def test_a_plan_simulated_up_to_a_limit_answers_as_its_full_simulation():
             plan = msg.Plan(view, [kept[3::4]], "every fourth")
             assert plan.peak_within(limit) == (full <= limit), limit
             assert plan.peak_bytes == full
+
+
+def test_a_gradients_kernels_are_grouped_by_the_steps_they_share():
+    """A convolution's input and filter gradients, and a product's two factors', are kernels
+    apart (they share only shapes); a fused batch norm's gradient is one kernel for all."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 4])
+        w = tf.compat.v1.placeholder(tf.float32, [3, 3, 4, 8])
+        convolution = costs.gradient_use(tf.nn.conv2d(x, w, 1, "SAME").op)
+        product = costs.gradient_use((x * tf.ones([4])).op)
+        scale = tf.ones([4])
+        batch_norm = costs.gradient_use(
+            tf.compat.v1.nn.fused_batch_norm(x, scale, tf.zeros([4]), is_training=True)[0].op
+        )
+    assert convolution.kernels([True, True]) == ((0,), (1,))
+    assert convolution.kernels([False, True]) == ((1,),)
+    assert product.kernels([True, True]) == ((0,), (1,))
+    assert batch_norm.kernels([True, True, True, False, False]) == ((0, 1, 2),)
+
+
+def test_a_gradients_kernels_are_timed_as_measured_else_share_its_time():
+    """Measured, each kernel takes its steps' measured time; static, the gradient's time (twice
+    its op's compute) is shared by the kernels that compute, and a gradient passed on
+    unchanged (a BiasAdd's input's) is ready at once."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 4])
+        w = tf.compat.v1.placeholder(tf.float32, [3, 3, 4, 8])
+        y = tf.nn.conv2d(x, w, 1, "SAME")
+        biased = tf.nn.bias_add(y, tf.ones([8]))
+        conv = costs.op_cost(y.op, lambda t: True)
+        bias = costs.op_cost(biased.op, lambda t: True)
+    two = (GradientKernels((0,), ()), GradientKernels((1,), ()))
+    assert simulator._kernel_seconds(conv, two) == [conv.flops, conv.flops]
+    assert simulator._kernel_seconds(bias, two) == [0.0, 2.0 * bias.flops]
+    measured = dataclasses.replace(
+        conv,
+        seconds=1.0,
+        gradient_seconds=3.0,
+        gradient_kernel_seconds=(("Conv2DBackpropFilter", 2.5), ("Conv2DBackpropInput", 0.5)),
+    )
+    assert simulator._kernel_seconds(measured, two) == [0.5, 2.5]
+    unnamed = dataclasses.replace(measured, gradient_kernel_seconds=(("renamed", 3.0),))
+    assert simulator._kernel_seconds(unnamed, two) == [1.5, 1.5]

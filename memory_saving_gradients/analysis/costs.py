@@ -153,6 +153,8 @@ class GradientStep:
     """One op of a gradient function built aside, as the executor runs it.
 
     Attributes:
+      name: its name in the function, which is its name in backprop's scope for the op
+        (`gradients/<op>_grad/<name>`): what a profiled step's kernels are matched by.
       outputs: ids of its output tensors.
       sizes: bytes of each output.
       reads: ids of the tensors it reads (those made outside the function at run time: the
@@ -163,6 +165,7 @@ class GradientStep:
       working: bytes its kernel holds for itself while it runs (`working_bytes`).
     """
 
+    name: str
     outputs: tuple[int, ...]
     sizes: tuple[int, ...]
     reads: tuple[int, ...]
@@ -170,6 +173,11 @@ class GradientStep:
     folded: bool
     reuses_input: bool
     working: int
+
+    @property
+    def computes(self) -> bool:
+        """Whether its kernel computes values, rather than a shape or a view of its input."""
+        return not (self.aliases or self.folded) and any(self.sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +204,29 @@ class GradientUse:
     needs: tuple[frozenset[int], ...]
     steps: tuple[GradientStep, ...]
     returned: tuple[int | None, ...]
+
+    def kernels(self, wanted: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
+        """The `wanted` inputs grouped by the kernels making their gradients: two inputs share
+        a group where their gradients need a common step that computes something (not a
+        shape, not a reshape). The executor runs each group's kernels as soon as the
+        gradients arrive, independently of the others' (a convolution's input and filter
+        gradients), and each group's gradients are ready as its own kernels finish."""
+        groups: list[tuple[set[int], set[int]]] = []  # (inputs, their computing steps)
+        for index, want in enumerate(wanted):
+            if not want:
+                continue
+            inputs, computing = {index}, {s for s in self.needs[index] if self.steps[s].computes}
+            apart = []
+            for group in groups:
+                if group[1] & computing:
+                    inputs |= group[0]
+                    computing |= group[1]
+                else:
+                    apart.append(group)
+            groups = [*apart, (inputs, computing)]
+        return tuple(
+            tuple(sorted(inputs)) for inputs, _ in sorted(groups, key=lambda g: min(g[0]))
+        )
 
 
 #: What each kind of op's gradient reads and makes, for at most `KINDS_KEPT` kinds (a
@@ -244,6 +275,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
             working = working_bytes(body_op.type, read, sizes)
         steps.append(
             GradientStep(
+                name=body_op.name,
                 outputs=tuple(id(t) for t in body_op.outputs),
                 sizes=sizes,
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
@@ -332,6 +364,9 @@ class OpCost:
         measured).
       flops: its compute.
       seconds: its kernel's measured time; None where costs are static.
+      gradient_seconds: its gradient's kernels' measured time; None where costs are static.
+      gradient_kernel_seconds: (name, seconds) of each of its gradient's kernels measured,
+        by its name in the gradient function (`GradientStep.name`).
       gradient_working: the most bytes its gradient's kernels held for themselves at once,
         measured (`measured.OpMeasurement.gradient_scratch_at_once`); None where costs are
         static (each gradient step's `working` counts instead).
@@ -347,6 +382,8 @@ class OpCost:
     working: int
     flops: float
     seconds: float | None = None
+    gradient_seconds: float | None = None
+    gradient_kernel_seconds: tuple[tuple[str, float], ...] = ()
     gradient_working: int | None = None
 
     @property
@@ -397,6 +434,8 @@ def measured_cost(cost: OpCost, measurement: measured.OpMeasurement | None) -> O
         cost,
         working=measurement.scratch_bytes,
         seconds=measurement.seconds,
+        gradient_seconds=measurement.gradient_seconds,
+        gradient_kernel_seconds=tuple(sorted(measurement.gradient_kernel_seconds.items())),
         gradient_working=measurement.gradient_scratch_at_once(inter_op_threads()),
     )
 

@@ -58,12 +58,15 @@ class OpMeasurement:
       scratch_bytes: its forward kernel's scratch.
       gradient_seconds: time of its gradient's kernels.
       gradient_kernel_scratch: the scratch of each of its gradient's kernels, largest first.
+      gradient_kernel_seconds: the time of each of its gradient's kernels, by its name in
+        the gradient function (`costs.GradientStep.name`).
     """
 
     seconds: float
     scratch_bytes: int
     gradient_seconds: float
     gradient_kernel_scratch: tuple[int, ...]
+    gradient_kernel_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def gradient_scratch_bytes(self) -> int:
@@ -100,22 +103,31 @@ class MeasuredCosts:
         to it. Ops not profiled (folded, fused into another, pruned) measure nothing."""
         names = set(names)
         forward: dict[str, list[KernelRecord]] = {}
-        gradient: dict[str, list[KernelRecord]] = {}
+        gradient: dict[str, list[tuple[str, KernelRecord]]] = {}
         for name, record in self.kernels.items():
-            owner, is_gradient = _owner_of(name, names)
-            if owner is not None:
-                (gradient if is_gradient else forward).setdefault(owner, []).append(record)
-        return {
-            name: OpMeasurement(
-                seconds=sum(r.seconds for r in forward.get(name, ())),
-                scratch_bytes=max((r.scratch_bytes for r in forward.get(name, ())), default=0),
-                gradient_seconds=sum(r.seconds for r in gradient.get(name, ())),
+            owner, within = _owner_of(name, names)
+            if owner is None:
+                continue
+            if within is None:
+                forward.setdefault(owner, []).append(record)
+            else:
+                gradient.setdefault(owner, []).append((within, record))
+        measurements = {}
+        for name in forward.keys() | gradient.keys():
+            ran, differentiated = forward.get(name, []), gradient.get(name, [])
+            kernel_seconds: dict[str, float] = {}
+            for within, record in differentiated:
+                kernel_seconds[within] = kernel_seconds.get(within, 0.0) + record.seconds
+            measurements[name] = OpMeasurement(
+                seconds=sum(r.seconds for r in ran),
+                scratch_bytes=max((r.scratch_bytes for r in ran), default=0),
+                gradient_seconds=sum(kernel_seconds.values()),
                 gradient_kernel_scratch=tuple(
-                    sorted((r.scratch_bytes for r in gradient.get(name, ())), reverse=True)
+                    sorted((r.scratch_bytes for _, r in differentiated), reverse=True)
                 ),
+                gradient_kernel_seconds=kernel_seconds,
             )
-            for name in forward.keys() | gradient.keys()
-        }
+        return measurements
 
     def largest_scratch(self, count: int = 10) -> list[tuple[str, KernelRecord]]:
         """The `count` ops whose kernels held the most scratch: what the static model is
@@ -136,32 +148,41 @@ class MeasuredCosts:
         return "\n".join(lines)
 
 
-def _owner_of(name: str, forward: set[str]) -> tuple[str | None, bool]:
-    """The op of `forward` that profiled op `name` is, or whose gradient it is (and which).
-    A function graph optimizers inlined names its ops after the call (`call/dense/MatMul`):
-    the name is matched without its callers, longest first."""
+def _owner_of(name: str, forward: set[str]) -> tuple[str | None, str | None]:
+    """The op of `forward` that profiled op `name` is, or whose gradient it is, and then
+    `name` within that gradient (None for the op itself). A function graph optimizers
+    inlined names its ops after the call (`call/dense/MatMul`): the name is matched without
+    its callers, longest first."""
     while True:
         if name in forward:
-            return name, False
-        if (owner := differentiated_op(name, forward)) is not None:
-            return owner, True
+            return name, None
+        if (found := _gradient_of(name, forward)) is not None:
+            return found
         if "/" not in name:
-            return None, False
+            return None, None
         name = name.split("/", 1)[1]
 
 
 def differentiated_op(name: str, forward: set[str]) -> str | None:
     """The op of `forward` whose gradient op `name` is (None if it is none's)."""
+    found = _gradient_of(name, forward)
+    return None if found is None else found[0]
+
+
+def _gradient_of(name: str, forward: set[str]) -> tuple[str, str] | None:
+    """The op of `forward` whose gradient op `name` is, and its name within that gradient's
+    scope (`gradients/<op>_grad/<within>`, `gradient_tape/<op>/<within>`)."""
     scope = _GRADIENT_SCOPE.match(name)
     if scope is None:
         return None
     rest = name[scope.end() :]
     while "/" in rest:
-        rest = rest.rsplit("/", 1)[0]
+        rest, _, within = rest.rpartition("/")
+        within = name[scope.end() + len(rest) + 1 :]
         if rest.endswith("_grad") and rest[: -len("_grad")] in forward:
-            return rest[: -len("_grad")]
+            return rest[: -len("_grad")], within
         if rest in forward:
-            return rest
+            return rest, within
     return None
 
 

@@ -4,10 +4,11 @@ A step is simulated op by op, forward in the view's topological order, then back
 way TensorFlow's executor runs a backward pass the gates order: with one inter-op thread (or
 under XLA, whose schedule runs one op at a time) in reverse, with more the gradients of
 independent branches side by side, each holding what it made and read until it finishes
-(`executor`). An op's outputs are allocated while its inputs
-are still alive; then every buffer no tensor needs any more is freed. Tensors share buffers
-where TensorFlow's kernels share them: reshapes and identities alias their input,
-element-wise kernels write into an input buffer nothing else needs
+(`executor`), and the kernels of one gradient apart (a convolution's input gradient goes on
+to the ops before it while its filter gradient still runs). An op's outputs are allocated
+while its inputs are still alive; then every buffer no tensor needs any more is freed.
+Tensors share buffers where TensorFlow's kernels share them: reshapes and identities alias
+their input, element-wise kernels write into an input buffer nothing else needs
 (`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
 that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
 function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on

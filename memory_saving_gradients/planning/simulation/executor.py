@@ -1,16 +1,21 @@
 """The order in which TensorFlow's executor runs the gradients of a backward pass.
 
 With one inter-op thread, the gradients run one at a time, from the last op to the first.
-With more, every gradient whose incoming gradients are complete is ready: a thread that
-finishes one goes on with a gradient that one made ready (the executor runs the last of them
-inline), and the others queue for the next free thread. So the gradients of independent
-branches (the two products of a matmul's inputs, the gradients of two branches meeting in
-an add) run side by side, each holding what it made and what it reads until it finishes.
-Measured on two threads: two branches each differentiating a matmul hold 8 MB at once where
-one thread holds 6 (tests/test_simulation.py).
+With more, every gradient kernel whose incoming gradients are complete is ready: a thread
+that finishes one goes on with a kernel that one made ready (the executor runs the last of
+them inline), and the others queue for the next free thread. So the gradients of independent
+branches (the gradients of two branches meeting in an add) run side by side, each holding
+what it made and what it reads until it finishes. Measured on two threads: two branches each
+differentiating a matmul hold 8 MB at once where one thread holds 6 (tests/test_simulation.py).
 
-Nothing here knows TensorFlow or buffers: ops are integers, and the simulator allocates at
-each start and releases at each finish.
+An op's gradient is one or more kernels that run apart (a convolution's input gradient and
+its filter gradient): the gradient of what the op read goes on as soon as the kernel making
+it finishes, while a slower one still runs and holds what it reads (MobileNetV2 under
+mixed_float16 on CPU: a depthwise convolution's float16 filter gradient still held its
+padded input while the batch norm before it was differentiated).
+
+Nothing here knows TensorFlow or buffers: ops are integers, and the simulator allocates as
+each kernel starts and releases as the last of an op's kernels finishes.
 """
 
 from __future__ import annotations
@@ -18,57 +23,72 @@ from __future__ import annotations
 import collections
 import heapq
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-#: An op's gradient starting (True) or finishing (False).
-Event = tuple[int, bool]
+#: One of an op's gradient's kernels (by index) starting (True) or finishing (False).
+Event = tuple[int, int, bool]
+
+
+class Kernel(NamedTuple):
+    """Kernels of an op's gradient that run together, apart from its others.
+
+    Attributes:
+      seconds: how long they run, in any unit the same for all.
+      unblocks: the ops whose gradients wait for what they make (those making what the op
+        reads), once for each such read.
+    """
+
+    seconds: float
+    unblocks: Sequence[int]
 
 
 def backward_events(
-    ops: Sequence[int],
-    unblocks: Mapping[int, Sequence[int]],
-    seconds: Sequence[float],
-    threads: int,
+    ops: Sequence[int], kernels: Mapping[int, Sequence[Kernel]], threads: int
 ) -> list[Event]:
-    """When the gradients of `ops` (in topological order) start and finish, in order.
-
-    `unblocks[op]` lists the ops whose gradients wait for `op`'s (those making what `op`
-    reads), once for each such read; `seconds[op]` is how long its gradient runs, in any
-    unit the same for all. One thread needs neither.
-    """
+    """When the `kernels` of the gradients of `ops` (in topological order) start and
+    finish, in order."""
     if threads <= 1:
-        return [(op, starts) for op in reversed(ops) for starts in (True, False)]
+        return [
+            (op, index, starts)
+            for op in reversed(ops)
+            for index in range(len(kernels[op]))
+            for starts in (True, False)
+        ]
     waiting = dict.fromkeys(ops, 0)
     for op in ops:
-        for maker in unblocks[op]:
-            waiting[maker] += 1
+        for kernel in kernels[op]:
+            for maker in kernel.unblocks:
+                waiting[maker] += 1
     # The latest op first: one thread runs the executor's ready ops in the order the
     # gradient function made them, which is from the ys back.
-    queue = collections.deque(op for op in reversed(ops) if not waiting[op])
+    queue = collections.deque(
+        (op, index) for op in reversed(ops) if not waiting[op] for index in range(len(kernels[op]))
+    )
     idle = list(range(threads))
-    running: list[tuple[float, int, int, int]] = []  # (finish, tiebreak, thread, op)
+    running: list[tuple[float, int, int, int, int]] = []  # (finish, tiebreak, thread, op, kernel)
     events: list[Event] = []
     now = 0.0
 
-    def start(op: int, thread: int) -> None:
-        events.append((op, True))
-        heapq.heappush(running, (now + seconds[op], len(events), thread, op))
+    def start(op: int, index: int, thread: int) -> None:
+        events.append((op, index, True))
+        heapq.heappush(running, (now + kernels[op][index].seconds, len(events), thread, op, index))
 
     while queue or running:
         while idle and queue:
-            start(queue.popleft(), idle.pop())
+            start(*queue.popleft(), idle.pop())
         if not running:
             break
-        now, _, thread, op = heapq.heappop(running)
-        events.append((op, False))
+        now, _, thread, op, index = heapq.heappop(running)
+        events.append((op, index, False))
         ready = []
-        for maker in unblocks[op]:
+        for maker in kernels[op][index].unblocks:
             waiting[maker] -= 1
             if not waiting[maker]:
                 ready.append(maker)
-        if ready:
-            ready.sort()
-            start(ready.pop(), thread)
-            queue.extend(reversed(ready))
+        kernels_ready = [(maker, i) for maker in sorted(ready) for i in range(len(kernels[maker]))]
+        if kernels_ready:
+            start(*kernels_ready.pop(), thread)
+            queue.extend(reversed(kernels_ready))
         else:
             idle.append(thread)
     return events

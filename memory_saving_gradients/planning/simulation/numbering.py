@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -12,6 +13,15 @@ from memory_saving_gradients.analysis.view import ForwardView
 #: The numbering of each view alive, by the view's `id`: a view holds tensors, which inside a
 #: tf.function do not hash.
 _NUMBERINGS: dict[int, Numbering] = {}
+
+
+class GradientKernels(NamedTuple):
+    """Kernels of an op's gradient that run apart from the others
+    (`costs.GradientUse.kernels`): the inputs, by index, whose gradients they make, and the
+    ops making those inputs, once per input: their gradients wait for these kernels."""
+
+    inputs: tuple[int, ...]
+    makers: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +38,8 @@ class Numbering:
         by an op of the view or is an x.
       open: the ids of the tensors whose static shape is not fully known.
       readers: for each id, how many ops of the view read it.
-      makers: for each op, the ops making the inputs it passes gradients to, once per
-        input: its gradient runs before theirs.
+      gradient_kernels: for each op, the kernels of its gradient (`GradientKernels`): one,
+        perhaps making nothing, where its gradient is unknown or one kernel makes all.
       gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
         position.
       gradient_parts: for each id, how many ops' gradients make a part of its gradient.
@@ -43,7 +53,7 @@ class Numbering:
     receives_gradient: tuple[bool, ...]
     open: frozenset[int]
     readers: tuple[int, ...]
-    makers: tuple[tuple[int, ...], ...]
+    gradient_kernels: tuple[tuple[GradientKernels, ...], ...]
     gradient_reads: tuple[tuple[int, ...], ...]
     gradient_parts: tuple[int, ...]
 
@@ -80,21 +90,25 @@ class Numbering:
         maker = {t: position for position, ts in enumerate(outputs) for t in ts}
         receives_gradient = tuple(i in maker or i in xs for i in range(len(tensors)))
         readers, parts = [0] * len(tensors), [0] * len(tensors)
-        gradient_reads, makers = [], []
+        gradient_reads, kernels = [], []
         for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
             cost = view.costs[op]
-            makers.append(
+            wanted = [
+                needed and receives_gradient[t] for t, needed in zip(ins, cost.needed, strict=True)
+            ]
+            groups = cost.gradient.kernels(wanted) if cost.gradient is not None else ()
+            if len(groups) < 2:
+                groups = (tuple(i for i, want in enumerate(wanted) if want),)
+            kernels.append(
                 tuple(
-                    maker[t]
-                    for t, needed in zip(ins, cost.needed, strict=True)
-                    if needed and t in maker
+                    GradientKernels(group, tuple(maker[ins[i]] for i in group if ins[i] in maker))
+                    for group in groups
                 )
             )
             for t in set(ins):
                 readers[t] += 1
-            for t, needed in zip(ins, cost.needed, strict=True):
-                if needed and receives_gradient[t]:
-                    parts[t] += 1
+            for t, want in zip(ins, wanted, strict=True):
+                parts[t] += want
             read = [ins[i] for i in cost.saved_inputs] + [outs[i] for i in cost.saved_outputs]
             gradient_reads.append(tuple(dict.fromkeys(read)))
         return cls(
@@ -106,7 +120,7 @@ class Numbering:
             receives_gradient=receives_gradient,
             open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
             readers=tuple(readers),
-            makers=tuple(makers),
+            gradient_kernels=tuple(kernels),
             gradient_reads=tuple(gradient_reads),
             gradient_parts=tuple(parts),
         )

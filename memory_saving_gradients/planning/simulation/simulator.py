@@ -6,6 +6,7 @@ the package's docstring).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
@@ -16,7 +17,7 @@ from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning.simulation import executor
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
-from memory_saving_gradients.planning.simulation.numbering import Numbering
+from memory_saving_gradients.planning.simulation.numbering import GradientKernels, Numbering
 
 
 class Simulator:
@@ -50,8 +51,15 @@ class Simulator:
         #: schedule one op at a time (two branches' matmul gradients: 6.2 MB measured, the
         #: one-thread order's 6).
         self.threads = 1 if self.xla else costs.inter_op_threads()
-        #: How long each op's gradient runs, by position: about twice its op's compute.
-        self.gradient_seconds = [2.0 * cost.compute for cost in self.cost]
+        #: The kernels of each op's gradient as the executor runs them, by position
+        #: (`executor.Kernel`, each unblocking the view's ops it waits for).
+        self.kernels = [
+            [
+                executor.Kernel(seconds, kernels.makers)
+                for kernels, seconds in zip(groups, _kernel_seconds(cost, groups), strict=True)
+            ]
+            for cost, groups in zip(self.cost, self.ids.gradient_kernels, strict=True)
+        ]
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
@@ -200,22 +208,23 @@ class Simulator:
         recomputed: Iterable[int] = (),
         inherited: frozenset[int] = frozenset(),
     ) -> None:
-        """Differentiate `ops` as the executor's threads run their gradients
+        """Differentiate `ops` as the executor's threads run their gradients' kernels
         (`_backward_events`; one thread: from last to first): the copies at level `chain[0]`
-        of those `recomputed`, the ops of the levels copied from otherwise. A gradient
-        allocates what it makes when it starts and lets go of what it read when it finishes.
-        What a gradient reads is released after the last gradient reading it finishes: a
-        copy's own outputs and `inherited` inputs, and what an op not recomputed here reads
-        (held for that in `forward`); a copy's other inputs are the step's to release. The
-        gradient parts a tensor receives from `ops` are summed once the last of them has
-        arrived (one gradient call sums its own parts), and all its parts once none is to
-        come from anywhere."""
+        of those `recomputed`, the ops of the levels copied from otherwise. A kernel
+        allocates what it makes when it starts; an op's gradient lets go of what it read when
+        its last kernel finishes. What a gradient reads is released after the last gradient
+        reading it finishes: a copy's own outputs and `inherited` inputs, and what an op not
+        recomputed here reads (held for that in `forward`); a copy's other inputs are the
+        step's to release. A gradient part arrives as the kernel making it finishes. The
+        parts a tensor receives from `ops` are summed once the last of them has arrived (one
+        gradient call sums its own parts), and all its parts once none is to come from
+        anywhere."""
         ledger = self.ledger
         at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
         events = self._backward_events(ops)
         last_reader: dict[int, int] = {}
-        for op, starting in reversed(events):
-            if not starting:
+        for op, _, starts in reversed(events):
+            if not starts:
                 for t in self.read[op]:
                     last_reader.setdefault(t, op)
         # The parts each tensor is to receive from `ops`, and how many it had before.
@@ -226,26 +235,25 @@ class Simulator:
                 if needed:
                     pending[t] = pending.get(t, 0) + 1
                     before.setdefault(t, len(self.parts.get(t, ())))
-        running: dict[int, tuple[list[int], list[Buffer]]] = {}
-        for op, starting in events:
-            if starting:
-                copy = op in recomputed
-                read: dict[int, Buffer | None] = {}
-                done = []
-                for t in self.read[op]:
-                    here = copy and t in at_level
-                    buffer = ledger.buffer(t, chain if here or not copy else outer)
-                    read[t] = buffer
-                    released_here = here or not copy or t in inherited
-                    if last_reader[t] == op and released_here and buffer is not None:
-                        done.append(buffer)
-                received, spent = self._differentiate_op(op, read, done)
-                running[op] = (received, done + spent)
+        running: dict[int, _Gradient] = {}
+        for op, kernel, starts in events:
+            if starts:
+                if op not in running:
+                    copy = op in recomputed
+                    read: dict[int, Buffer | None] = {}
+                    done = []
+                    for t in self.read[op]:
+                        here = copy and t in at_level
+                        buffer = ledger.buffer(t, chain if here or not copy else outer)
+                        read[t] = buffer
+                        released_here = here or not copy or t in inherited
+                        if last_reader[t] == op and released_here and buffer is not None:
+                            done.append(buffer)
+                    running[op] = self._start_gradient(op, read, done)
+                self._run_kernel(running[op], kernel)
                 continue
-            received, spent = running.pop(op)
-            for buffer in spent:
-                ledger.release(buffer)
-            for t in received:
+            gradient = running[op]
+            for t in gradient.received.pop(kernel, ()):
                 pending[t] -= 1
                 self.expected[t] -= 1
                 parts = self.parts[t]
@@ -253,78 +261,109 @@ class Simulator:
                     parts[:] = [self._sum(parts)]
                 elif pending[t] == 0 and len(parts) > before[t] + 1:
                     parts[before[t] :] = [self._sum(parts[before[t] :])]
-            self._apply_completed_gradients(op)
+            gradient.kernels_left -= 1
+            if not gradient.kernels_left:
+                del running[op]
+                for buffer in gradient.spent:
+                    ledger.release(buffer)
+                self._apply_completed_gradients(op)
 
     def _backward_events(self, ops: Sequence[int]) -> list[executor.Event]:
-        """When the gradients of `ops` start and finish on the executor's threads
-        (`executor`): each waits for the gradients of the ops reading what its op makes."""
+        """When the kernels of the gradients of `ops` start and finish on the executor's
+        threads (`executor`): each op's gradient waits for the kernels making the gradients
+        of what its op makes."""
         if self.threads == 1:
-            return executor.backward_events(ops, {}, self.gradient_seconds, 1)
+            return executor.backward_events(ops, {op: self.kernels[op] for op in ops}, 1)
         members = set(ops)
-        makers = self.ids.makers
-        unblocks = {op: [m for m in makers[op] if m in members] for op in ops}
-        return executor.backward_events(ops, unblocks, self.gradient_seconds, self.threads)
+        kernels = {
+            op: [
+                k._replace(unblocks=[m for m in k.unblocks if m in members])
+                for k in self.kernels[op]
+            ]
+            for op in ops
+        }
+        return executor.backward_events(ops, kernels, self.threads)
 
-    def _differentiate_op(
+    def _start_gradient(
         self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
-    ) -> tuple[list[int], list[Buffer]]:
-        """Make the gradients of `op`'s inputs from those of its outputs, running its gradient
-        function's ops (`costs.GradientUse`) on the buffers of what it reads (`read`); an
-        element-wise op may write into a buffer nothing else needs: a temporary it reads for
-        the last time, the arriving gradient, or one of `dying` (what backprop reads for the
-        last time here). Returns the inputs that received a gradient part, and the
-        gradients it read, which it lets go when it finishes."""
+    ) -> _Gradient:
+        """Begin `op`'s gradient as its first kernel starts: take the gradients of its
+        outputs, and the buffers of what it reads (`read`), of which `dying` are read for the
+        last time."""
         incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
+        gradient = _Gradient(
+            op=op,
+            incoming=incoming,
+            spent=dying + [b for b in incoming if b is not None],
+            kernels_left=len(self.kernels[op]),
+            dying={id(b) for b in dying},
+        )
         if all(b is None for b in incoming):
-            return [], []
+            return gradient  # no gradient arrives: its kernels make nothing
         cost, inputs = self.cost[op], self.ids.inputs[op]
         gets_gradient = self.ids.receives_gradient
-        wanted = [want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)]
-        if cost.gradient is None:
-            made = [
-                self.ledger.new(costs.tensor_bytes(self.ids.tensors[t])) if want else None
-                for t, want in zip(inputs, wanted, strict=True)
-            ]
-        else:
-            made = self._run_gradient(op, cost.gradient, wanted, incoming, read, dying)
-        if cost.gradient_working:
-            self.ledger.working(cost.gradient_working)
-        received = []
-        for t, buffer in zip(inputs, made, strict=True):
-            if buffer is not None:
-                self.parts.setdefault(t, []).append(buffer)
-                received.append(t)
-        return received, [b for b in incoming if b is not None]
-
-    def _run_gradient(
-        self,
-        op: int,
-        use: costs.GradientUse,
-        wanted: Sequence[bool],
-        incoming: Sequence[Buffer | None],
-        read: dict[int, Buffer | None],
-        dying: list[Buffer],
-    ) -> list[Buffer | None]:
-        """Run the steps of `use` that the `wanted` input gradients need; return a held
-        buffer for each wanted input's gradient (None for the others). A step reading only
-        constants (the folded seed of the ys, static shapes) is folded too."""
-        ledger = self.ledger
-        value: dict[int, Buffer] = {}
+        gradient.wanted = [
+            want and gets_gradient[t] for t, want in zip(inputs, cost.needed, strict=True)
+        ]
+        use = cost.gradient
+        if use is None:
+            return gradient
         for seed, buffer in zip(use.seeds, incoming, strict=True):
             if seed is not None:  # an output without gradient gets zeros, folded
-                value[seed] = buffer if buffer is not None else Buffer(0, constant=True)
+                gradient.value[seed] = buffer if buffer is not None else Buffer(0, constant=True)
         for placeholder, kind, index in use.captured:
-            tensor = (self.ids.inputs if kind == "in" else self.ids.outputs)[op][index]
+            tensor = (inputs if kind == "in" else self.ids.outputs[op])[index]
             # A resident tensor (a variable's value): never freed here, never written into.
-            value[placeholder] = read.get(tensor) or Buffer(0, holders=2)
-        key = (id(use), tuple(wanted))
+            gradient.value[placeholder] = read.get(tensor) or Buffer(0, holders=2)
+        key = (id(use), tuple(gradient.wanted))
         if key not in self.gradient_steps:
-            self.gradient_steps[key] = _needed_steps(use, wanted)
-        steps, step_readers, returned, working = self.gradient_steps[key]
-        readers = dict(step_readers)
-        made: set[int] = set()
-        dying_ids = {id(b) for b in dying}
-        for step in steps:
+            self.gradient_steps[key] = _needed_steps(use, gradient.wanted)
+        step_readers, gradient.returned, gradient.working = self.gradient_steps[key]
+        gradient.readers = dict(step_readers)
+        return gradient
+
+    def _run_kernel(self, gradient: _Gradient, kernel: int) -> None:
+        """Run one of the kernels of `gradient`'s op (`Numbering.gradient_kernels`): make the
+        gradients of its inputs from those of the op's outputs, as parts of their
+        gradients."""
+        if not gradient.wanted:
+            return
+        op, ledger = gradient.op, self.ledger
+        cost, inputs = self.cost[op], self.ids.inputs[op]
+        group = self.ids.gradient_kernels[op][kernel].inputs
+        made: dict[int, Buffer | None]
+        if cost.gradient is None:
+            made = {i: ledger.new(costs.tensor_bytes(self.ids.tensors[inputs[i]])) for i in group}
+        else:
+            made = self._run_steps(gradient, cost.gradient, group)
+        if cost.gradient_working and not gradient.scratch_counted:
+            gradient.scratch_counted = True  # all its kernels' scratch at once (`OpCost`)
+            ledger.working(cost.gradient_working)
+        received = gradient.received.setdefault(kernel, [])
+        for i, buffer in made.items():
+            if buffer is not None:
+                self.parts.setdefault(inputs[i], []).append(buffer)
+                received.append(inputs[i])
+
+    def _run_steps(
+        self, gradient: _Gradient, use: costs.GradientUse, group: Sequence[int]
+    ) -> dict[int, Buffer | None]:
+        """Run the steps of `use` that the gradients of the inputs `group` need and no other
+        kernel ran; return a held buffer for each of those inputs' gradients (None where it
+        has none). An element-wise step may write into a buffer nothing else needs: a
+        temporary it reads for the last time, the arriving gradient, or what backprop reads
+        for the last time here (`_Gradient.dying`). A step reading only constants (the folded
+        seed of the ys, static shapes) is folded too."""
+        ledger = self.ledger
+        value, readers, made, returned = (
+            gradient.value,
+            gradient.readers,
+            gradient.made,
+            gradient.returned,
+        )
+        for index in sorted(set().union(*(use.needs[i] for i in group)) - gradient.ran):
+            gradient.ran.add(index)
+            step = use.steps[index]
             reads = [value.get(t) or Buffer(0, constant=True) for t in step.reads]
             folded = step.folded or all(b.constant for b in reads)
             free = [
@@ -333,7 +372,7 @@ class Simulator:
                 if readers[t] == 1
                 and b.holders == 1
                 and not b.constant
-                and (t in made or id(b) in dying_ids or b in incoming)
+                and (t in made or id(b) in gradient.dying or b in gradient.incoming)
             ]
             for t, size in zip(step.outputs, step.sizes, strict=True):
                 if folded:
@@ -349,8 +388,8 @@ class Simulator:
                     buffer = ledger.new(size)
                 value[t] = buffer
                 made.add(t)
-            if step.working and not folded and self.cost[op].gradient_working is None:
-                ledger.working(working if self.threads > 1 else step.working)
+            if step.working and not folded and self.cost[gradient.op].gradient_working is None:
+                ledger.working(gradient.working if self.threads > 1 else step.working)
             for t in step.outputs:
                 if t not in readers and t not in returned:
                     ledger.release(value[t])
@@ -358,14 +397,15 @@ class Simulator:
                 readers[t] -= 1
                 if readers[t] == 0 and t in made and t not in returned:
                     ledger.release(value[t])
-        gradients = [
-            ledger.hold(value.get(r) or Buffer(0, constant=True))
-            if want and r is not None
-            else None
-            for r, want in zip(use.returned, wanted, strict=True)
-        ]
-        for t in returned & made:
-            ledger.release(value[t])
+        gradients: dict[int, Buffer | None] = {}
+        for i in group:
+            r = use.returned[i]
+            gradients[i] = (
+                None if r is None else ledger.hold(value.get(r) or Buffer(0, constant=True))
+            )
+            if r in made and r not in gradient.given:
+                gradient.given.add(r)
+                ledger.release(value[r])
         return gradients
 
     def _apply_completed_gradients(self, op: int) -> None:
@@ -429,18 +469,80 @@ class Simulator:
         return {t: 1 for op in ops_differentiated for t in self.read[op]}
 
 
+@dataclasses.dataclass
+class _Gradient:
+    """An op's gradient while its kernels run (`Simulator.differentiate`).
+
+    Attributes:
+      op: the op's position.
+      incoming: the gradients of its outputs (None where one gets none).
+      spent: what it lets go when its last kernel finishes: what it read for the last time
+        and the gradients it received.
+      kernels_left: its kernels not finished yet.
+      dying: the ids of the buffers it reads for the last time, which a step may write into.
+      wanted: for each input, whether it makes that input's gradient (none where no gradient
+        arrives).
+      value: the buffer of each tensor of its gradient function read or made so far.
+      readers: the steps still to read each tensor of the function.
+      made: the tensors of the function made so far.
+      ran: the steps run so far (shared by two kernels: shapes, views).
+      returned: the tensors holding the wanted gradients.
+      given: those of `returned` whose own hold is given up to the parts made of them.
+      working: the most bytes the kernels of its steps hold for themselves at once.
+      scratch_counted: whether its measured scratch was counted (`OpCost.gradient_working`).
+      received: the inputs each kernel made a gradient part for, by the kernel's index.
+    """
+
+    op: int
+    incoming: list[Buffer | None]
+    spent: list[Buffer]
+    kernels_left: int
+    dying: set[int]
+    wanted: list[bool] = dataclasses.field(default_factory=list)
+    value: dict[int, Buffer] = dataclasses.field(default_factory=dict)
+    readers: dict[int, int] = dataclasses.field(default_factory=dict)
+    made: set[int] = dataclasses.field(default_factory=set)
+    ran: set[int] = dataclasses.field(default_factory=set)
+    returned: frozenset[int] = frozenset()
+    given: set[int] = dataclasses.field(default_factory=set)
+    working: int = 0
+    scratch_counted: bool = False
+    received: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+
 def _needed_steps(
     use: costs.GradientUse, wanted: Sequence[bool]
-) -> tuple[list[costs.GradientStep], dict[int, int], frozenset[int], int]:
-    """The steps of `use` that the `wanted` input gradients need, how many of them read each
-    tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
+) -> tuple[dict[int, int], frozenset[int], int]:
+    """For the steps of `use` that the `wanted` input gradients need: how many of them read
+    each tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
     needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
-    steps = [step for i, step in enumerate(use.steps) if i in needed]
     readers: dict[int, int] = {}
-    for step in steps:
-        for t in step.reads:
+    for index in needed:
+        for t in use.steps[index].reads:
             readers[t] = readers.get(t, 0) + 1
     returned = frozenset(
         r for r, want in zip(use.returned, wanted, strict=True) if want and r is not None
     )
-    return steps, readers, returned, sum(step.working for step in steps)
+    return readers, returned, sum(use.steps[index].working for index in needed)
+
+
+def _kernel_seconds(cost: costs.OpCost, groups: Sequence[GradientKernels]) -> list[float]:
+    """How long each of the kernel `groups` of `cost`'s gradient runs: as measured, by their
+    steps' names; else their share of the gradient's time (measured, or twice its op's
+    compute), shared by the groups that compute something (a gradient passed on unchanged
+    is ready at once)."""
+    total = cost.gradient_seconds or 2.0 * cost.compute
+    use = cost.gradient
+    if len(groups) < 2 or use is None:
+        return [total] * len(groups)
+    steps = [set().union(*(use.needs[i] for i in group.inputs)) for group in groups]
+    if cost.gradient_kernel_seconds:
+        measured = dict(cost.gradient_kernel_seconds)
+        seconds = [sum(measured.get(use.steps[s].name, 0.0) for s in ran) for ran in steps]
+        if any(seconds):
+            return seconds
+    computing = [any(use.steps[s].computes for s in ran) for ran in steps]
+    if not any(computing):
+        computing = [True] * len(groups)
+    share = total / sum(computing)
+    return [share if computes else 0.0 for computes in computing]
