@@ -34,19 +34,22 @@ class Kernel(NamedTuple):
 
     Attributes:
       seconds: how long they run, in any unit the same for all.
-      unblocks: the ops whose gradients wait for what they make (those making what the op
-        reads), once for each such read.
+      makers: the ops making the inputs whose gradients they make, once for each such
+        input: those ops' gradients wait for them.
     """
 
     seconds: float
-    unblocks: Sequence[int]
+    makers: Sequence[int]
 
 
 def backward_events(
-    ops: Sequence[int], kernels: Mapping[int, Sequence[Kernel]], threads: int
+    ops: Sequence[int],
+    kernels: Mapping[int, Sequence[Kernel]] | Sequence[Sequence[Kernel]],
+    threads: int,
 ) -> list[Event]:
-    """When the `kernels` of the gradients of `ops` (in topological order) start and
-    finish, in order."""
+    """When the `kernels` of the gradients of `ops` (in topological order; `kernels[op]`)
+    start and finish, in order. Makers that are not among `ops` are differentiated
+    elsewhere, and nothing here waits for them."""
     if threads <= 1:
         return [
             (op, index, starts)
@@ -57,8 +60,9 @@ def backward_events(
     waiting = dict.fromkeys(ops, 0)
     for op in ops:
         for kernel in kernels[op]:
-            for maker in kernel.unblocks:
-                waiting[maker] += 1
+            for maker in kernel.makers:
+                if maker in waiting:
+                    waiting[maker] += 1
     # The latest op first: one thread runs the executor's ready ops in the order the
     # gradient function made them, which is from the ys back.
     queue = collections.deque(
@@ -81,10 +85,11 @@ def backward_events(
         now, _, thread, op, index = heapq.heappop(running)
         events.append((op, index, False))
         ready = []
-        for maker in kernels[op][index].unblocks:
-            waiting[maker] -= 1
-            if not waiting[maker]:
-                ready.append(maker)
+        for maker in kernels[op][index].makers:
+            if maker in waiting:
+                waiting[maker] -= 1
+                if not waiting[maker]:
+                    ready.append(maker)
         kernels_ready = [(maker, i) for maker in sorted(ready) for i in range(len(kernels[maker]))]
         if kernels_ready:
             start(*kernels_ready.pop(), thread)

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import tensorflow as tf
 
+from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients.planning.simulation import executor
 
 #: The numbering of each view alive, by the view's `id`: a view holds tensors, which inside a
 #: tf.function do not hash.
 _NUMBERINGS: dict[int, Numbering] = {}
-
-
-class GradientKernels(NamedTuple):
-    """Kernels of an op's gradient that run apart from the others
-    (`costs.GradientUse.kernels`): the inputs, by index, whose gradients they make, and the
-    ops making those inputs, once per input: their gradients wait for these kernels."""
-
-    inputs: tuple[int, ...]
-    makers: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +31,11 @@ class Numbering:
         by an op of the view or is an x.
       open: the ids of the tensors whose static shape is not fully known.
       readers: for each id, how many ops of the view read it.
-      gradient_kernels: for each op, the kernels of its gradient (`GradientKernels`): one,
+      gradient_kernels: for each op, the kernels of its gradient that run apart
+        (`costs.GradientUse.kernels`), timed and waited for (`executor.Kernel`): one,
         perhaps making nothing, where its gradient is unknown or one kernel makes all.
+      kernel_inputs: for each op, the inputs (by index) whose gradients each of its
+        `gradient_kernels` makes.
       gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
         position.
       gradient_parts: for each id, how many ops' gradients make a part of its gradient.
@@ -53,7 +49,8 @@ class Numbering:
     receives_gradient: tuple[bool, ...]
     open: frozenset[int]
     readers: tuple[int, ...]
-    gradient_kernels: tuple[tuple[GradientKernels, ...], ...]
+    gradient_kernels: tuple[tuple[executor.Kernel, ...], ...]
+    kernel_inputs: tuple[tuple[tuple[int, ...], ...], ...]
     gradient_reads: tuple[tuple[int, ...], ...]
     gradient_parts: tuple[int, ...]
 
@@ -90,7 +87,7 @@ class Numbering:
         maker = {t: position for position, ts in enumerate(outputs) for t in ts}
         receives_gradient = tuple(i in maker or i in xs for i in range(len(tensors)))
         readers, parts = [0] * len(tensors), [0] * len(tensors)
-        gradient_reads, kernels = [], []
+        gradient_reads, kernels, kernel_inputs = [], [], []
         for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
             cost = view.costs[op]
             wanted = [
@@ -99,10 +96,13 @@ class Numbering:
             groups = cost.gradient.kernels(wanted) if cost.gradient is not None else ()
             if len(groups) < 2:
                 groups = (tuple(i for i, want in enumerate(wanted) if want),)
+            kernel_inputs.append(groups)
             kernels.append(
                 tuple(
-                    GradientKernels(group, tuple(maker[ins[i]] for i in group if ins[i] in maker))
-                    for group in groups
+                    executor.Kernel(
+                        seconds, tuple(maker[ins[i]] for i in group if ins[i] in maker)
+                    )
+                    for group, seconds in zip(groups, kernel_seconds(cost, groups), strict=True)
                 )
             )
             for t in set(ins):
@@ -121,6 +121,29 @@ class Numbering:
             open=frozenset(i for i, t in enumerate(tensors) if not t.shape.is_fully_defined()),
             readers=tuple(readers),
             gradient_kernels=tuple(kernels),
+            kernel_inputs=tuple(kernel_inputs),
             gradient_reads=tuple(gradient_reads),
             gradient_parts=tuple(parts),
         )
+
+
+def kernel_seconds(cost: costs.OpCost, groups: Sequence[Sequence[int]]) -> list[float]:
+    """How long the kernels making the gradients of each of the input `groups` of `cost`'s
+    gradient run: as measured, by their steps' names; else their share of the gradient's
+    time (measured, or twice its op's compute), shared by the groups that compute something
+    (a gradient passed on unchanged is ready at once)."""
+    total = cost.gradient_seconds or 2.0 * cost.compute
+    use = cost.gradient
+    if len(groups) < 2 or use is None:
+        return [total] * len(groups)
+    steps = [set().union(*(use.needs[i] for i in group)) for group in groups]
+    if cost.gradient_kernel_seconds:
+        measured = dict(cost.gradient_kernel_seconds)
+        seconds = [sum(measured.get(use.steps[s].name, 0.0) for s in ran) for ran in steps]
+        if any(seconds):
+            return seconds
+    computing = [any(use.steps[s].computes for s in ran) for ran in steps]
+    if not any(computing):
+        computing = [True] * len(groups)
+    share = total / sum(computing)
+    return [share if computes else 0.0 for computes in computing]

@@ -17,7 +17,7 @@ from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning.simulation import executor
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
-from memory_saving_gradients.planning.simulation.numbering import GradientKernels, Numbering
+from memory_saving_gradients.planning.simulation.numbering import Numbering
 
 
 class Simulator:
@@ -42,6 +42,9 @@ class Simulator:
         #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
         #: (few: ops of one kind share a use).
         self.gradient_steps: dict[tuple, tuple] = {}
+        #: The steps each kernel of a gradient use runs, in order, by the use's id and the
+        #: inputs it makes gradients for.
+        self.kernel_steps: dict[tuple, tuple[int, ...]] = {}
         #: The buffers alive, and the most bytes alive at once (up to `limit`: `Ledger`).
         self.ledger = Ledger(limit)
         #: Whether the step is compiled by XLA, which copies some gated tensors (`gate_copies`).
@@ -51,15 +54,6 @@ class Simulator:
         #: schedule one op at a time (two branches' matmul gradients: 6.2 MB measured, the
         #: one-thread order's 6).
         self.threads = 1 if self.xla else costs.inter_op_threads()
-        #: The kernels of each op's gradient as the executor runs them, by position
-        #: (`executor.Kernel`, each unblocking the view's ops it waits for).
-        self.kernels = [
-            [
-                executor.Kernel(seconds, kernels.makers)
-                for kernels, seconds in zip(groups, _kernel_seconds(cost, groups), strict=True)
-            ]
-            for cost, groups in zip(self.cost, self.ids.gradient_kernels, strict=True)
-        ]
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
@@ -272,17 +266,7 @@ class Simulator:
         """When the kernels of the gradients of `ops` start and finish on the executor's
         threads (`executor`): each op's gradient waits for the kernels making the gradients
         of what its op makes."""
-        if self.threads == 1:
-            return executor.backward_events(ops, {op: self.kernels[op] for op in ops}, 1)
-        members = set(ops)
-        kernels = {
-            op: [
-                k._replace(unblocks=[m for m in k.unblocks if m in members])
-                for k in self.kernels[op]
-            ]
-            for op in ops
-        }
-        return executor.backward_events(ops, kernels, self.threads)
+        return executor.backward_events(ops, self.ids.gradient_kernels, self.threads)
 
     def _start_gradient(
         self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
@@ -295,7 +279,7 @@ class Simulator:
             op=op,
             incoming=incoming,
             spent=dying + [b for b in incoming if b is not None],
-            kernels_left=len(self.kernels[op]),
+            kernels_left=len(self.ids.gradient_kernels[op]),
             dying={id(b) for b in dying},
         )
         if all(b is None for b in incoming):
@@ -323,14 +307,14 @@ class Simulator:
         return gradient
 
     def _run_kernel(self, gradient: _Gradient, kernel: int) -> None:
-        """Run one of the kernels of `gradient`'s op (`Numbering.gradient_kernels`): make the
+        """Run one of the kernels of `gradient`'s op (`Numbering.kernel_inputs`): make the
         gradients of its inputs from those of the op's outputs, as parts of their
         gradients."""
         if not gradient.wanted:
             return
         op, ledger = gradient.op, self.ledger
         cost, inputs = self.cost[op], self.ids.inputs[op]
-        group = self.ids.gradient_kernels[op][kernel].inputs
+        group = self.ids.kernel_inputs[op][kernel]
         made: dict[int, Buffer | None]
         if cost.gradient is None:
             made = {i: ledger.new(costs.tensor_bytes(self.ids.tensors[inputs[i]])) for i in group}
@@ -361,7 +345,12 @@ class Simulator:
             gradient.made,
             gradient.returned,
         )
-        for index in sorted(set().union(*(use.needs[i] for i in group)) - gradient.ran):
+        key = (id(use), tuple(group))
+        if key not in self.kernel_steps:
+            self.kernel_steps[key] = tuple(sorted(set().union(*(use.needs[i] for i in group))))
+        for index in self.kernel_steps[key]:
+            if index in gradient.ran:
+                continue
             gradient.ran.add(index)
             step = use.steps[index]
             reads = [value.get(t) or Buffer(0, constant=True) for t in step.reads]
@@ -469,7 +458,7 @@ class Simulator:
         return {t: 1 for op in ops_differentiated for t in self.read[op]}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Gradient:
     """An op's gradient while its kernels run (`Simulator.differentiate`).
 
@@ -524,25 +513,3 @@ def _needed_steps(
         r for r, want in zip(use.returned, wanted, strict=True) if want and r is not None
     )
     return readers, returned, sum(use.steps[index].working for index in needed)
-
-
-def _kernel_seconds(cost: costs.OpCost, groups: Sequence[GradientKernels]) -> list[float]:
-    """How long each of the kernel `groups` of `cost`'s gradient runs: as measured, by their
-    steps' names; else their share of the gradient's time (measured, or twice its op's
-    compute), shared by the groups that compute something (a gradient passed on unchanged
-    is ready at once)."""
-    total = cost.gradient_seconds or 2.0 * cost.compute
-    use = cost.gradient
-    if len(groups) < 2 or use is None:
-        return [total] * len(groups)
-    steps = [set().union(*(use.needs[i] for i in group.inputs)) for group in groups]
-    if cost.gradient_kernel_seconds:
-        measured = dict(cost.gradient_kernel_seconds)
-        seconds = [sum(measured.get(use.steps[s].name, 0.0) for s in ran) for ran in steps]
-        if any(seconds):
-            return seconds
-    computing = [any(use.steps[s].computes for s in ran) for ran in steps]
-    if not any(computing):
-        computing = [True] * len(groups)
-    share = total / sum(computing)
-    return [share if computes else 0.0 for computes in computing]
