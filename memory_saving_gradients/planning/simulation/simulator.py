@@ -1,12 +1,11 @@
 """One training step's ops run on a ledger of buffers, as TensorFlow's executor runs them:
-forward, pruned as the executor prunes, then backward, each op's gradient replayed as the ops
-of its gradient function, gradient parts summed, and completed gradients applied (the model:
-the package's docstring).
+forward, pruned as the executor prunes, then backward, each op's gradient replayed kernel by
+kernel as the ops of its gradient function (`replay`), gradient parts summed, and completed
+gradients applied (the model: the package's docstring).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
@@ -15,9 +14,10 @@ import tensorflow as tf
 from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import costs
 from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.planning.simulation import executor
+from memory_saving_gradients.planning.simulation import executor, replay
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
 from memory_saving_gradients.planning.simulation.numbering import Numbering
+from memory_saving_gradients.planning.simulation.replay import GradientRun
 
 
 class Simulator:
@@ -39,7 +39,7 @@ class Simulator:
         self.cost = [view.costs[op] for op in view.ops]
         #: What each op's gradient reads, by position.
         self.read = self.ids.gradient_reads
-        #: `_needed_steps` of each gradient use and wanted inputs met so far, by the use's id
+        #: `replay.needed_steps` of each gradient use and wanted inputs met so far, by the use's id
         #: (few: ops of one kind share a use).
         self.gradient_steps: dict[tuple, tuple] = {}
         #: The steps each kernel of a gradient use runs, in order, by the use's id and the
@@ -229,7 +229,7 @@ class Simulator:
                 if needed:
                     pending[t] = pending.get(t, 0) + 1
                     before.setdefault(t, len(self.parts.get(t, ())))
-        running: dict[int, _Gradient] = {}
+        running: dict[int, GradientRun] = {}
         for op, kernel, starts in events:
             if starts:
                 if op not in running:
@@ -270,12 +270,12 @@ class Simulator:
 
     def _start_gradient(
         self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
-    ) -> _Gradient:
+    ) -> GradientRun:
         """Begin `op`'s gradient as its first kernel starts: take the gradients of its
         outputs, and the buffers of what it reads (`read`), of which `dying` are read for the
         last time."""
         incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
-        gradient = _Gradient(
+        gradient = GradientRun(
             op=op,
             incoming=incoming,
             spent=dying + [b for b in incoming if b is not None],
@@ -301,12 +301,12 @@ class Simulator:
             gradient.value[placeholder] = read.get(tensor) or Buffer(0, holders=2)
         key = (id(use), tuple(gradient.wanted))
         if key not in self.gradient_steps:
-            self.gradient_steps[key] = _needed_steps(use, gradient.wanted)
+            self.gradient_steps[key] = replay.needed_steps(use, gradient.wanted)
         step_readers, gradient.returned, gradient.working = self.gradient_steps[key]
         gradient.readers = dict(step_readers)
         return gradient
 
-    def _run_kernel(self, gradient: _Gradient, kernel: int) -> None:
+    def _run_kernel(self, gradient: GradientRun, kernel: int) -> None:
         """Run one of the kernels of `gradient`'s op (`Numbering.kernel_inputs`): make the
         gradients of its inputs from those of the op's outputs, as parts of their
         gradients."""
@@ -319,7 +319,19 @@ class Simulator:
         if cost.gradient is None:
             made = {i: ledger.new(costs.tensor_bytes(self.ids.tensors[inputs[i]])) for i in group}
         else:
-            made = self._run_steps(gradient, cost.gradient, group)
+            use = cost.gradient
+            key = (id(use), group)
+            if key not in self.kernel_steps:
+                self.kernel_steps[key] = tuple(sorted(set().union(*(use.needs[i] for i in group))))
+            made = replay.run_steps(
+                ledger,
+                gradient,
+                use,
+                group,
+                self.kernel_steps[key],
+                count_step_scratch=cost.gradient_working is None,
+                side_by_side=self.threads > 1,
+            )
         if cost.gradient_working and not gradient.scratch_counted:
             gradient.scratch_counted = True  # all its kernels' scratch at once (`OpCost`)
             ledger.working(cost.gradient_working)
@@ -328,74 +340,6 @@ class Simulator:
             if buffer is not None:
                 self.parts.setdefault(inputs[i], []).append(buffer)
                 received.append(inputs[i])
-
-    def _run_steps(
-        self, gradient: _Gradient, use: costs.GradientUse, group: Sequence[int]
-    ) -> dict[int, Buffer | None]:
-        """Run the steps of `use` that the gradients of the inputs `group` need and no other
-        kernel ran; return a held buffer for each of those inputs' gradients (None where it
-        has none). An element-wise step may write into a buffer nothing else needs: a
-        temporary it reads for the last time, the arriving gradient, or what backprop reads
-        for the last time here (`_Gradient.dying`). A step reading only constants (the folded
-        seed of the ys, static shapes) is folded too."""
-        ledger = self.ledger
-        value, readers, made, returned = (
-            gradient.value,
-            gradient.readers,
-            gradient.made,
-            gradient.returned,
-        )
-        key = (id(use), tuple(group))
-        if key not in self.kernel_steps:
-            self.kernel_steps[key] = tuple(sorted(set().union(*(use.needs[i] for i in group))))
-        for index in self.kernel_steps[key]:
-            if index in gradient.ran:
-                continue
-            gradient.ran.add(index)
-            step = use.steps[index]
-            reads = [value.get(t) or Buffer(0, constant=True) for t in step.reads]
-            folded = step.folded or all(b.constant for b in reads)
-            free = [
-                b
-                for t, b in zip(step.reads, reads, strict=True)
-                if readers[t] == 1
-                and b.holders == 1
-                and not b.constant
-                and (t in made or id(b) in gradient.dying or b in gradient.incoming)
-            ]
-            for t, size in zip(step.outputs, step.sizes, strict=True):
-                if folded:
-                    buffer = Buffer(0, constant=True)
-                elif step.aliases:
-                    buffer = ledger.hold(reads[0])
-                elif step.reuses_input and (
-                    taken := next((b for b in free if b.size == size), None)
-                ):
-                    free.remove(taken)
-                    buffer = ledger.hold(taken)
-                else:
-                    buffer = ledger.new(size)
-                value[t] = buffer
-                made.add(t)
-            if step.working and not folded and self.cost[gradient.op].gradient_working is None:
-                ledger.working(gradient.working if self.threads > 1 else step.working)
-            for t in step.outputs:
-                if t not in readers and t not in returned:
-                    ledger.release(value[t])
-            for t in step.reads:
-                readers[t] -= 1
-                if readers[t] == 0 and t in made and t not in returned:
-                    ledger.release(value[t])
-        gradients: dict[int, Buffer | None] = {}
-        for i in group:
-            r = use.returned[i]
-            gradients[i] = (
-                None if r is None else ledger.hold(value.get(r) or Buffer(0, constant=True))
-            )
-            if r in made and r not in gradient.given:
-                gradient.given.add(r)
-                ledger.release(value[r])
-        return gradients
 
     def _apply_completed_gradients(self, op: int) -> None:
         """Free the gradient of each x that `op` was the last reader of, once summed: an
@@ -456,60 +400,3 @@ class Simulator:
     def uses(self, ops_differentiated: Iterable[int]) -> dict[int, int]:
         """The tensors the gradients of `ops_differentiated` read, each counted once."""
         return {t: 1 for op in ops_differentiated for t in self.read[op]}
-
-
-@dataclasses.dataclass(slots=True)
-class _Gradient:
-    """An op's gradient while its kernels run (`Simulator.differentiate`).
-
-    Attributes:
-      op: the op's position.
-      incoming: the gradients of its outputs (None where one gets none).
-      spent: what it lets go when its last kernel finishes: what it read for the last time
-        and the gradients it received.
-      kernels_left: its kernels not finished yet.
-      dying: the ids of the buffers it reads for the last time, which a step may write into.
-      wanted: for each input, whether it makes that input's gradient (none where no gradient
-        arrives).
-      value: the buffer of each tensor of its gradient function read or made so far.
-      readers: the steps still to read each tensor of the function.
-      made: the tensors of the function made so far.
-      ran: the steps run so far (shared by two kernels: shapes, views).
-      returned: the tensors holding the wanted gradients.
-      given: those of `returned` whose own hold is given up to the parts made of them.
-      working: the most bytes the kernels of its steps hold for themselves at once.
-      scratch_counted: whether its measured scratch was counted (`OpCost.gradient_working`).
-      received: the inputs each kernel made a gradient part for, by the kernel's index.
-    """
-
-    op: int
-    incoming: list[Buffer | None]
-    spent: list[Buffer]
-    kernels_left: int
-    dying: set[int]
-    wanted: list[bool] = dataclasses.field(default_factory=list)
-    value: dict[int, Buffer] = dataclasses.field(default_factory=dict)
-    readers: dict[int, int] = dataclasses.field(default_factory=dict)
-    made: set[int] = dataclasses.field(default_factory=set)
-    ran: set[int] = dataclasses.field(default_factory=set)
-    returned: frozenset[int] = frozenset()
-    given: set[int] = dataclasses.field(default_factory=set)
-    working: int = 0
-    scratch_counted: bool = False
-    received: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-
-
-def _needed_steps(
-    use: costs.GradientUse, wanted: Sequence[bool]
-) -> tuple[dict[int, int], frozenset[int], int]:
-    """For the steps of `use` that the `wanted` input gradients need: how many of them read
-    each tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
-    needed = frozenset().union(*(n for n, want in zip(use.needs, wanted, strict=True) if want))
-    readers: dict[int, int] = {}
-    for index in needed:
-        for t in use.steps[index].reads:
-            readers[t] = readers.get(t, 0) + 1
-    returned = frozenset(
-        r for r, want in zip(use.returned, wanted, strict=True) if want and r is not None
-    )
-    return readers, returned, sum(use.steps[index].working for index in needed)
