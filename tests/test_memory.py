@@ -472,9 +472,10 @@ def test_kernel_casts_wait_for_their_matmuls_in_functions():
 def test_kernel_casts_of_a_session_graph_are_predicted_made_at_the_start():
     """A Session's forward ops are left as built, so the kernel copies are made as the step
     starts, as the simulator predicts: all at once (48.0 MiB), where one thread measured
-    32.3-44.3 (the executor runs some matmuls before the last copies are made, in an order
-    that changes from process to process); predicted as made on time: 8.4."""
+    28.3-44.3 (the executor runs some matmuls before the last copies are made, in an order
+    that changes from process to process: 28.3 in one CI run under TF1 behaviour); predicted
+    as made on time: 8.4, which the lower bound tells apart."""
     out = run_python("-c", _KERNEL_CAST_PEAKS, "session")
     measured, predicted = json.loads(out.strip().splitlines()[-1])
     assert predicted >= CAST_DEPTH * CAST_BYTES
-    assert 0.6 * predicted <= measured <= 1.05 * predicted, (measured, predicted)
+    assert 0.5 * predicted <= measured <= 1.05 * predicted, (measured, predicted)
