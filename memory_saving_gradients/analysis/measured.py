@@ -175,10 +175,11 @@ def _gradient_of(name: str, forward: set[str]) -> tuple[str, str] | None:
     scope = _GRADIENT_SCOPE.match(name)
     if scope is None:
         return None
-    rest = name[scope.end() :]
+    scoped = name[scope.end() :]
+    rest = scoped
     while "/" in rest:
-        rest, _, within = rest.rpartition("/")
-        within = name[scope.end() + len(rest) + 1 :]
+        rest = rest.rsplit("/", 1)[0]
+        within = scoped[len(rest) + 1 :]
         if rest.endswith("_grad") and rest[: -len("_grad")] in forward:
             return rest[: -len("_grad")], within
         if rest in forward:
