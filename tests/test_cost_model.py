@@ -15,7 +15,7 @@ of every size, and a request served whole from a block up to twice its size read
 smaller ones. One step applies its gradients by SGD instead, as they are made: the model
 counts no temporary for the updates, which run in place. A float16 chain of matmuls checks the
 float32 copies TensorFlow's CPU MatMul makes of half-precision operands and results where
-oneDNN does not compute in float16 (`costs.working_bytes`), closer than the families: without
+oneDNN does not compute in float16 (`kernels.working_bytes`), closer than the families: without
 them its 'memory' step was under-predicted by 29%; and that none are counted on CPUs where it
 does.
 """
@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import costs, gradient_uses, kernels
 from memory_saving_gradients.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import run_python
@@ -220,16 +220,18 @@ def _working(tensor: tf.Tensor) -> int:
 
 def test_half_precision_matmuls_hold_float32_copies_on_cpu_kernels_only(monkeypatch):
     """On a CPU whose oneDNN computes neither float16 nor a fused bfloat16 MatMul natively."""
-    monkeypatch.setattr(costs, "float16_matmuls_native", lambda: False)
-    monkeypatch.setattr(costs, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw"}))
-    monkeypatch.setattr(costs, "_GRADIENT_USES", {})  # found for this CPU, not the real one
+    monkeypatch.setattr(kernels, "float16_matmuls_native", lambda: False)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw"}))
+    monkeypatch.setattr(
+        gradient_uses, "_GRADIENT_USES", {}
+    )  # found for this CPU, not the real one
     with tf.Graph().as_default():
         a = tf1.placeholder(tf.float16, [256, 128])
         b = tf1.placeholder(tf.float16, [128, 64])
         product = tf.matmul(a, b)
         copies = 2 * (256 * 128 + 128 * 64 + 256 * 64) * 2  # float32: twice each float16 byte
         assert _working(product) == copies
-        steps = costs.gradient_use(product.op).steps
+        steps = gradient_uses.gradient_use(product.op).steps
         # Its gradient's two products, each reading the output's gradient and one operand
         # and making the other's gradient, hold as many bytes of copies each.
         assert [step.working for step in steps] == [copies, copies]
@@ -246,31 +248,31 @@ def test_half_precision_matmuls_hold_float32_copies_on_cpu_kernels_only(monkeypa
 
 def test_half_precision_matmuls_hold_nothing_more_where_onednn_computes_them(monkeypatch):
     """On a CPU with AVX512_FP16 and AMX (a Sapphire Rapids), as measured by the float16 chain."""
-    monkeypatch.setattr(costs, "float16_matmuls_native", lambda: True)
-    monkeypatch.setattr(costs, "_cpu_flags", lambda: frozenset({"avx512_fp16", "amx_bf16"}))
-    monkeypatch.setattr(costs, "_GRADIENT_USES", {})
+    monkeypatch.setattr(kernels, "float16_matmuls_native", lambda: True)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx512_fp16", "amx_bf16"}))
+    monkeypatch.setattr(gradient_uses, "_GRADIENT_USES", {})
     with tf.Graph().as_default():
         a = tf1.placeholder(tf.float16, [256, 128])
         product = tf.matmul(a, tf1.placeholder(tf.float16, [128, 64]))
         assert _working(product) == 0
-        assert [step.working for step in costs.gradient_use(product.op).steps] == [0, 0]
+        assert [step.working for step in gradient_uses.gradient_use(product.op).steps] == [0, 0]
         biased = tf.matmul(tf.cast(a, tf.bfloat16), tf.zeros([128, 64], tf.bfloat16))
         tf.nn.bias_add(biased, tf.zeros([64], tf.bfloat16))
         assert _working(biased) == 0
 
 
 def test_float16_matmuls_are_native_only_where_onednn_runs(monkeypatch):
-    costs.float16_matmuls_native.cache_clear()
-    monkeypatch.setattr(costs, "_cpu_flags", lambda: frozenset({"avx512bw", "avx512_fp16"}))
-    monkeypatch.setattr(costs._tf, "onednn_enabled", lambda: False)
-    assert not costs.float16_matmuls_native()
-    costs.float16_matmuls_native.cache_clear()
-    monkeypatch.setattr(costs._tf, "onednn_enabled", lambda: True)
-    assert costs.float16_matmuls_native()
-    costs.float16_matmuls_native.cache_clear()
-    monkeypatch.setattr(costs, "_cpu_flags", lambda: frozenset({"avx512bw", "avx512f"}))
-    assert not costs.float16_matmuls_native()
-    costs.float16_matmuls_native.cache_clear()
+    kernels.float16_matmuls_native.cache_clear()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx512bw", "avx512_fp16"}))
+    monkeypatch.setattr(kernels._tf, "onednn_enabled", lambda: False)
+    assert not kernels.float16_matmuls_native()
+    kernels.float16_matmuls_native.cache_clear()
+    monkeypatch.setattr(kernels._tf, "onednn_enabled", lambda: True)
+    assert kernels.float16_matmuls_native()
+    kernels.float16_matmuls_native.cache_clear()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx512bw", "avx512f"}))
+    assert not kernels.float16_matmuls_native()
+    kernels.float16_matmuls_native.cache_clear()
 
 
 def test_xla_compiled_matmuls_hold_no_float32_copies():
@@ -306,7 +308,7 @@ print("configured")
 
 
 def test_planning_a_graph_leaves_tensorflows_runtime_unstarted():
-    """Asking where ops run (`costs.runs_cpu_kernels`) must not start TensorFlow's runtime,
+    """Asking where ops run (`kernels.runs_cpu_kernels`) must not start TensorFlow's runtime,
     which would freeze the thread and device settings a graph-mode program makes later."""
     assert run_python("-c", _PLAN_THEN_CONFIGURE).strip().endswith("configured")
 
@@ -314,15 +316,15 @@ def test_planning_a_graph_leaves_tensorflows_runtime_unstarted():
 def test_gradient_uses_are_kept_for_a_bounded_number_of_op_kinds(monkeypatch):
     """A long-running process builds ever new kinds of op: the oldest kinds are forgotten,
     and built aside again (new ids, the same reads) when asked for."""
-    monkeypatch.setattr(costs, "_GRADIENT_USES", {})
-    monkeypatch.setattr(costs, "KINDS_KEPT", 2)
+    monkeypatch.setattr(gradient_uses, "_GRADIENT_USES", {})
+    monkeypatch.setattr(gradient_uses, "KINDS_KEPT", 2)
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [4, 8])
         ops = [tf.tanh(x).op, tf.sigmoid(x).op, tf.exp(x).op]
-        first = costs.gradient_use(ops[0])
+        first = gradient_uses.gradient_use(ops[0])
         for op in ops[1:]:
-            costs.gradient_use(op)
-        assert len(costs._GRADIENT_USES) == 2
-        again = costs.gradient_use(ops[0])
+            gradient_uses.gradient_use(op)
+        assert len(gradient_uses._GRADIENT_USES) == 2
+        again = gradient_uses.gradient_use(ops[0])
         assert (again.reads, again.needs) == (first.reads, first.needs)
-        assert len(costs._GRADIENT_USES) == 2
+        assert len(gradient_uses._GRADIENT_USES) == 2

@@ -14,8 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs as msg_costs
-from memory_saving_gradients.analysis import measured
+from memory_saving_gradients.analysis import gradient_uses, measured
 from tests.helpers import assert_same_gradients, run_python
 
 tf1 = tf.compat.v1
@@ -81,7 +80,9 @@ def test_a_gradients_kernels_are_timed_by_their_names_in_its_gradient_function()
         return tf.reduce_sum(gradient)
 
     costs = msg.measure_costs(step, repeats=0).for_ops(["conv"])
-    use = msg_costs.gradient_use(step.get_concrete_function().graph.get_operation_by_name("conv"))
+    use = gradient_uses.gradient_use(
+        step.get_concrete_function().graph.get_operation_by_name("conv")
+    )
     kernels = costs["conv"].gradient_kernel_seconds
     assert "Conv2DBackpropFilter" in kernels and kernels["Conv2DBackpropFilter"] > 0
     assert set(kernels) <= {step.name for step in use.steps}

@@ -3,7 +3,7 @@
 import pytest
 import tensorflow as tf
 
-from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis import gradient_uses, kernels, queries
 from memory_saving_gradients.analysis.view import ForwardView
 
 tf1 = tf.compat.v1
@@ -64,10 +64,10 @@ def test_topological_order_respects_inputs_then_creation_order():
 def test_sizes_count_unknown_dimensions_as_64():
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, [4, None])
-        assert costs.num_elements(x) == 4 * costs.UNKNOWN_DIM_SIZE
-        assert costs.tensor_bytes(tf.cast(x, tf.float16)) == 2 * 4 * costs.UNKNOWN_DIM_SIZE
-        assert costs.tensor_bytes(tf.zeros([10, 10], tf.float64)) == 800
-        assert costs.num_elements(tf1.placeholder(tf.float32)) == costs.UNKNOWN_DIM_SIZE
+        assert kernels.num_elements(x) == 4 * kernels.UNKNOWN_DIM_SIZE
+        assert kernels.tensor_bytes(tf.cast(x, tf.float16)) == 2 * 4 * kernels.UNKNOWN_DIM_SIZE
+        assert kernels.tensor_bytes(tf.zeros([10, 10], tf.float64)) == 800
+        assert kernels.num_elements(tf1.placeholder(tf.float32)) == kernels.UNKNOWN_DIM_SIZE
 
 
 @pytest.mark.parametrize("v2_shapes", [True, False], ids=["TensorShape V2", "V1 Dimension"])
@@ -84,8 +84,10 @@ def test_static_shapes_read_alike_with_v1_dimensions(v2_shapes):
             assert shape == (None, 3) and all(d is None or type(d) is int for d in shape)
             hash(shape)
             assert queries.static_shape(tf1.placeholder(tf.float32)) is None
-            assert costs.tensor_bytes(x) == 4 * 3 * costs.UNKNOWN_DIM_SIZE
-            assert costs.gradient_use(tf.tanh(x).op).reads == ((frozenset(), frozenset({0})),)
+            assert kernels.tensor_bytes(x) == 4 * 3 * kernels.UNKNOWN_DIM_SIZE
+            assert gradient_uses.gradient_use(tf.tanh(x).op).reads == (
+                (frozenset(), frozenset({0})),
+            )
     finally:
         tf1.enable_v2_tensorshape()
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import costs, gradient_uses, kernels
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import simulation
 from memory_saving_gradients.planning.simulation import executor
@@ -45,7 +45,7 @@ def test_independent_gradients_run_side_by_side_on_more_than_one_thread(
     side, each running its matmul gradient's two kernels one after the other: 7 MB.
     Measured in Sessions of one and two inter-op threads (the gradients reduced to sums,
     eight runs each): 5.3 and 6.3 MB, two threads 1 MB above one, as predicted."""
-    monkeypatch.setattr(costs, "inter_op_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "inter_op_threads", lambda: threads)
     n = 500  # 1 MB tensors
     graph = tf.Graph()
     with graph.as_default():
@@ -61,15 +61,15 @@ def test_a_gradient_starts_only_once_the_gradients_it_waits_for_have_finished():
     and every gradient starts after those of its readers finished."""
     unblocks = {0: [], 1: [0], 2: [0], 3: [1, 2], 4: [3]}
     seconds = [1.0, 3.0, 2.0, 1.0, 1.0]
-    kernels = {op: [executor.Kernel(seconds[op], makers)] for op, makers in unblocks.items()}
-    events = executor.backward_events(range(5), kernels, threads=2)
+    tasks = {op: [executor.Kernel(seconds[op], makers)] for op, makers in unblocks.items()}
+    events = executor.backward_events(range(5), tasks, threads=2)
     assert sorted(events) == sorted((op, 0, starts) for op in range(5) for starts in (True, False))
     position = {(op, starts): i for i, (op, _, starts) in enumerate(events)}
     for op, makers in unblocks.items():
         for maker in makers:
             assert position[(op, False)] < position[(maker, True)]
     assert position[(2, True)] < position[(1, False)]  # side by side
-    assert executor.backward_events(range(5), kernels, threads=1) == [
+    assert executor.backward_events(range(5), tasks, threads=1) == [
         (op, 0, starts) for op in (4, 3, 2, 1, 0) for starts in (True, False)
     ]
 
@@ -78,12 +78,12 @@ def test_what_a_gradients_fast_kernel_makes_goes_on_while_its_slow_kernel_runs()
     """A chain 0 -> 1 -> 2 where op 1's gradient has a fast kernel making op 0's input's
     gradient and a slow one making a weight's: op 0's gradient starts on the other thread as
     the fast kernel finishes, while the slow one still runs."""
-    kernels = {
+    tasks = {
         0: [executor.Kernel(1.0, [])],
         1: [executor.Kernel(1.0, [0]), executor.Kernel(5.0, [])],
         2: [executor.Kernel(1.0, [1])],
     }
-    events = executor.backward_events(range(3), kernels, threads=2)
+    events = executor.backward_events(range(3), tasks, threads=2)
     position = {event: i for i, event in enumerate(events)}
     assert position[(1, 0, False)] < position[(0, 0, True)] < position[(1, 1, False)]
     assert position[(0, 0, False)] < position[(1, 1, False)]
@@ -92,7 +92,7 @@ def test_what_a_gradients_fast_kernel_makes_goes_on_while_its_slow_kernel_runs()
 def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
     """The two branches of the test above, compiled by XLA: its schedule runs one op at a
     time whatever the inter-op threads, and measures 6.2 MB."""
-    monkeypatch.setattr(costs, "inter_op_threads", lambda: 2)
+    monkeypatch.setattr(kernels, "inter_op_threads", lambda: 2)
     n = 500
     weights = [tf.Variable(tf.ones([n, n])) for _ in range(2)]
     x = tf.Variable(tf.ones([n, n]))
@@ -136,10 +136,10 @@ def test_a_gradients_kernels_are_grouped_by_the_steps_they_share():
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 4])
         w = tf.compat.v1.placeholder(tf.float32, [3, 3, 4, 8])
-        convolution = costs.gradient_use(tf.nn.conv2d(x, w, 1, "SAME").op)
-        product = costs.gradient_use((x * tf.ones([4])).op)
+        convolution = gradient_uses.gradient_use(tf.nn.conv2d(x, w, 1, "SAME").op)
+        product = gradient_uses.gradient_use((x * tf.ones([4])).op)
         scale = tf.ones([4])
-        batch_norm = costs.gradient_use(
+        batch_norm = gradient_uses.gradient_use(
             tf.compat.v1.nn.fused_batch_norm(x, scale, tf.zeros([4]), is_training=True)[0].op
         )
     assert convolution.kernels([True, True]) == ((0,), (1,))

@@ -59,7 +59,7 @@ class OpMeasurement:
       gradient_seconds: time of its gradient's kernels.
       gradient_kernel_scratch: the scratch of each of its gradient's kernels, largest first.
       gradient_kernel_seconds: the time of each of its gradient's kernels, by its name in
-        the gradient function (`costs.GradientStep.name`).
+        the gradient function (`gradient_uses.GradientStep.name`).
     """
 
     seconds: float

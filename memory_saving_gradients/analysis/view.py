@@ -17,7 +17,7 @@ from functools import cached_property
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis import costs, kernels, queries
 from memory_saving_gradients.analysis.measured import MeasuredCosts, OpMeasurement
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class ForwardView:
             if op not in weights or any(t.op in weights for t in op.inputs):
                 continue
             reader = _only_reader_past(op, weights)
-            if reader is None or reader.type not in costs.CONTRACTIONS:
+            if reader is None or reader.type not in kernels.CONTRACTIONS:
                 continue
             before = tuple(dict.fromkeys(w for maker in made_by(reader) for w in made_by(maker)))
             if before:
@@ -267,8 +267,8 @@ class ForwardView:
         return tensor.ref() in self._x_refs
 
     def bytes(self, tensor: tf.Tensor) -> int:
-        """Bytes `tensor` occupies by its static shape (`costs.tensor_bytes`)."""
-        return costs.tensor_bytes(tensor)
+        """Bytes `tensor` occupies by its static shape (`kernels.tensor_bytes`)."""
+        return kernels.tensor_bytes(tensor)
 
     @cached_property
     def position(self) -> dict[tf.Operation, int]:
@@ -329,17 +329,17 @@ MEASURED_COVERAGE = 0.5
 def _check_measured_here(ops: Sequence[tf.Operation], found: dict[str, OpMeasurement]) -> None:
     """Raise where a profile shows none of `ops`, warn where it shows few of those that run
     kernels: plans match a profile to their ops by name."""
-    kernels = [op for op in ops if op.type not in costs.ALIASING | costs.RESIDENT]
-    matched = sum(op.name in found for op in kernels)
-    if kernels and not matched:
+    running = [op for op in ops if op.type not in kernels.ALIASING | kernels.RESIDENT]
+    matched = sum(op.name in found for op in running)
+    if running and not matched:
         raise ValueError(
-            f"The measured costs show none of the {len(kernels)} forward ops being planned "
-            f"(first: {kernels[0].name!r}): they were measured on another step. Measure the "
+            f"The measured costs show none of the {len(running)} forward ops being planned "
+            f"(first: {running[0].name!r}): they were measured on another step. Measure the "
             "plain step of this model, built the same way, with measure_costs."
         )
-    if matched < MEASURED_COVERAGE * len(kernels):
+    if matched < MEASURED_COVERAGE * len(running):
         logger.warning(
             "The measured costs show only %d of the %d forward ops being planned (by name); "
             "the others are planned as costing nothing. Was the step measured built the same "
-            "way?", matched, len(kernels),
+            "way?", matched, len(running),
         )  # fmt: skip

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import costs, kernels
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import tunables
 
@@ -127,7 +127,7 @@ class Order:
                     tensors.append(tensor)
                     made.append(i)
                     last.append(end)
-                    bytes_ = 0 if tensor.ref() in saved_refs else costs.tensor_bytes(tensor)
+                    bytes_ = 0 if tensor.ref() in saved_refs else kernels.tensor_bytes(tensor)
                     tie_break = (not kept) - tunables.FUSION_SPLIT * _read_by_bias_add(tensor)
                     weight.append(bytes_ * (1 + tunables.TIE_BREAK * tie_break))
         compute = np.array(
@@ -355,7 +355,9 @@ def _held_gradients(view: ForwardView, position: dict[tf.Operation, int]) -> np.
     for tensor in view.gradients_of_xs:
         if tensor.dtype.is_floating:
             readers = [position[op] for op in view.consumers(tensor) if op in position]
-            gradients[: max(readers, default=len(position) - 1) + 1] += costs.tensor_bytes(tensor)
+            gradients[: max(readers, default=len(position) - 1) + 1] += kernels.tensor_bytes(
+                tensor
+            )
     return gradients
 
 

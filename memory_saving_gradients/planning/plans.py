@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from memory_saving_gradients.analysis import costs, queries
+from memory_saving_gradients.analysis import costs, kernels, queries
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning import simulation
 from memory_saving_gradients.planning.schedule import Schedule, Segment
@@ -184,7 +184,7 @@ class Plan:
         if self.checkpoints and not self.pays:
             lines.append("  saves nothing: gradients() computes plain gradients for it")
         rows = [
-            (str(depth), t.name, t.op.type, _shape(t), f"{costs.tensor_bytes(t) / MIB:.2f}")
+            (str(depth), t.name, t.op.type, _shape(t), f"{kernels.tensor_bytes(t) / MIB:.2f}")
             for depth, level in enumerate(self.levels)
             for t in level
         ]

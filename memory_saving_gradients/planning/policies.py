@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import kernels
 from memory_saving_gradients.analysis.view import ForwardView, why_not_recomputable
 from memory_saving_gradients.planning import search, simulation, tunables
 from memory_saving_gradients.planning.plans import Plan
@@ -47,7 +47,7 @@ Strategy: TypeAlias = Callable[[ForwardView], Sequence[tf.Tensor] | Plan]
 CHECKPOINTS_COLLECTION = "checkpoints"
 
 #: Op types whose outputs the 'speed' strategy keeps: recomputing them costs the most.
-EXPENSIVE_OP_TYPES = costs.CONTRACTIONS | {
+EXPENSIVE_OP_TYPES = kernels.CONTRACTIONS | {
     "Conv", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "SparseMatMul"
 }  # fmt: skip
 

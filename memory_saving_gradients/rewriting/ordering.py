@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import kernels
 
 
 # NOTE [weight gradients first]: a weight gradient (a Conv2DBackpropFilter) reads an
@@ -59,14 +59,14 @@ def _may_lag(gradient: tf.Operation, siblings: set[tf.Operation], position: dict
     if gradient.type not in _FILTER_GRADIENTS:
         return False
     held_anyway = any(
-        reader in position and reader is not gradient and reader.type not in costs.SHAPE_READERS
+        reader in position and reader is not gradient and reader.type not in kernels.SHAPE_READERS
         for t in gradient.inputs
         if t.op not in position
         for reader in t.consumers()
     )
-    made = sum(costs.tensor_bytes(t) for t in gradient.outputs)
+    made = sum(kernels.tensor_bytes(t) for t in gradient.outputs)
     return held_anyway and all(
-        made < sum(costs.tensor_bytes(t) for t in sibling.outputs)
+        made < sum(kernels.tensor_bytes(t) for t in sibling.outputs)
         and _goes_straight_on(sibling, position)
         for sibling in siblings
     )
@@ -92,7 +92,7 @@ def _goes_straight_on(gradient: tf.Operation, position: dict) -> bool:
 #: residual CNN, ResNet50, the U-Net, Inception, DenseNet121, MobileNetV2).
 _FILTER_GRADIENTS = frozenset({"Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter"})
 #: Ops whose values are ready before the gradients reading them: shapes and constants.
-_GIVEN_AHEAD = costs.SHAPE_OF | {"Const"}
+_GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 
 
 def _reaches(start: tf.Operation, end: tf.Operation, position: dict) -> bool:

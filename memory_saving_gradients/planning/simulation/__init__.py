@@ -9,9 +9,9 @@ to the ops before it while its filter gradient still runs). An op's outputs are 
 while its inputs are still alive; then every buffer no tensor needs any more is freed.
 Tensors share buffers where TensorFlow's kernels share them: reshapes and identities alias
 their input, element-wise kernels write into an input buffer nothing else needs
-(`costs.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
+(`kernels.REUSES_INPUT_BUFFER`). Backprop keeps what each gradient reads (`costs.OpCost`) until
 that gradient has run. Each op's gradient is simulated as the ops of its registered gradient
-function (`costs.GradientUse`) running on the buffers they read, so a gradient passed on
+function (`gradient_uses.GradientUse`) running on the buffers they read, so a gradient passed on
 unchanged (an Add's) aliases the arriving one, and a temporary lives until its last reader.
 The gradient parts of one tensor are summed once all have arrived (an AddN runs once its
 inputs exist). Gradients of xs live to the end of the step where the view says they are
@@ -24,7 +24,7 @@ has run (NOTE [updates after reads] in rewriting/backprop.py), updates the varia
 and copies it: one temporary of its size. Optimizers' own temporaries (Adam's) are not
 counted.
 What a gradient computes from constants alone (the seed of the loss, static shapes) is folded
-ahead of the step, as graph optimizers do. A kernel's own buffers (`costs.working_bytes`) are
+ahead of the step, as graph optimizers do. A kernel's own buffers (`kernels.working_bytes`) are
 alive while it runs, beside its inputs and outputs; with more than one inter-op thread,
 those of one gradient's kernels together (the two products of a MatMul's gradient are ready
 at once, and the executor runs them side by side; measured, the largest as many as there are

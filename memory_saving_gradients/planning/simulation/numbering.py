@@ -32,7 +32,7 @@ class Numbering:
       open: the ids of the tensors whose static shape is not fully known.
       readers: for each id, how many ops of the view read it.
       gradient_kernels: for each op, the kernels of its gradient that run apart
-        (`costs.GradientUse.kernels`), timed and waited for (`executor.Kernel`): one,
+        (`gradient_uses.GradientUse.kernels`), timed and waited for (`executor.Kernel`): one,
         perhaps making nothing, where its gradient is unknown or one kernel makes all.
       kernel_inputs: for each op, the inputs (by index) whose gradients each of its
         `gradient_kernels` makes.

@@ -1,6 +1,6 @@
 """An op's gradient replayed on a ledger of buffers as the steps of its registered gradient
-function (`costs.GradientUse`), one kernel at a time: what each step reads, makes and lets go
-(the simulator decides when each kernel runs: `simulator.Simulator.differentiate`).
+function (`gradient_uses.GradientUse`), one kernel at a time: what each step reads, makes and
+lets go (the simulator decides when each kernel runs: `simulator.Simulator.differentiate`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import gradient_uses
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
 
 
@@ -54,7 +54,7 @@ class GradientRun:
 
 
 def needed_steps(
-    use: costs.GradientUse, wanted: Sequence[bool]
+    use: gradient_uses.GradientUse, wanted: Sequence[bool]
 ) -> tuple[dict[int, int], frozenset[int], int]:
     """For the steps of `use` that the `wanted` input gradients need: how many of them read
     each tensor, the tensors holding the wanted gradients, and their kernels' own buffers."""
@@ -72,7 +72,7 @@ def needed_steps(
 def run_steps(
     ledger: Ledger,
     gradient: GradientRun,
-    use: costs.GradientUse,
+    use: gradient_uses.GradientUse,
     group: Sequence[int],
     steps: Sequence[int],
     *,

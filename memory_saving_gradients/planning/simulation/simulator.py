@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis import costs
+from memory_saving_gradients.analysis import costs, kernels
 from memory_saving_gradients.analysis.view import ForwardView
 from memory_saving_gradients.planning.simulation import executor, replay
 from memory_saving_gradients.planning.simulation.ledger import Buffer, Ledger
@@ -53,7 +53,7 @@ class Simulator:
         #: side (`executor`), and so do the kernels of one gradient. XLA runs its compiled
         #: schedule one op at a time (two branches' matmul gradients: 6.2 MB measured, the
         #: one-thread order's 6).
-        self.threads = 1 if self.xla else costs.inter_op_threads()
+        self.threads = 1 if self.xla else kernels.inter_op_threads()
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
@@ -71,7 +71,7 @@ class Simulator:
         view = self.view
         for y in view.ys:
             seed = (
-                self.ledger.new(costs.tensor_bytes(y))
+                self.ledger.new(kernels.tensor_bytes(y))
                 if view.given_grad_ys
                 else Buffer(0, constant=True)
             )
@@ -86,7 +86,7 @@ class Simulator:
     ) -> frozenset[int]:
         """Under XLA, the copies a step recomputing `ops` at level `chain[0]` makes of the
         tensors it reads through its gate (`read`) that a contraction among `ops` reads
-        (`costs.CONTRACTIONS`; XLA fuses `x - 0` into element-wise readers, NOTE [gates under
+        (`kernels.CONTRACTIONS`; XLA fuses `x - 0` into element-wise readers, NOTE [gates under
         XLA] in `gates.py`): weights and boundaries. Each lives at that level until
         its last reader there; the step's last hold on an `inherited` original is given up
         as it is copied. Returns the copied tensors, which the step releases as it does
@@ -98,14 +98,14 @@ class Simulator:
         copied = {
             t
             for op in ops
-            if self.view.ops[op].type in costs.CONTRACTIONS
+            if self.view.ops[op].type in kernels.CONTRACTIONS
             for t in self.ids.inputs[op]
             if t in read
         }
         at_level = ledger.levels[chain[0]]
         for t in sorted(copied):
             original = ledger.buffer(t, chain)
-            at_level[t] = ledger.new(costs.tensor_bytes(self.ids.tensors[t]))
+            at_level[t] = ledger.new(kernels.tensor_bytes(self.ids.tensors[t]))
             if t in inherited:
                 ledger.release(original)
         return frozenset(copied)
@@ -317,7 +317,9 @@ class Simulator:
         group = self.ids.kernel_inputs[op][kernel]
         made: dict[int, Buffer | None]
         if cost.gradient is None:
-            made = {i: ledger.new(costs.tensor_bytes(self.ids.tensors[inputs[i]])) for i in group}
+            made = {
+                i: ledger.new(kernels.tensor_bytes(self.ids.tensors[inputs[i]])) for i in group
+            }
         else:
             use = cost.gradient
             key = (id(use), group)
