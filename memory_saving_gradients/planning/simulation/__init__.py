@@ -44,11 +44,12 @@ What this leaves out, measured against TensorFlow (benchmarks/cost_model.py,
 benchmarks/measured_costs.py): the executor times ops to choose which of the ready ones
 wait, so it may run a gradient's ops that read only forward tensors before the gradient
 arrives, or leave a weight gradient queued, and hold their tensors meanwhile; recomputation
-runs one op at a time; graph optimizers rewrite gradients (by rules that depend on op names,
-which the rewrite keeps in the order `tf.gradients` has: NOTE [names of recomputed ops] in
-rewriting/backprop.py); and TensorFlow's allocator hands a request a free block of up to
-twice its size whole (the command's transformer under MemoryBudget(0.5): an 8 MiB attention
-score took a 15 MiB block).
+runs one op at a time, before the step's gradients (run beside them on two threads, as the
+executor may, it changed no predicted peak of MobileNetV2 or ResNet50); graph optimizers
+rewrite gradients (by rules that depend on op names, which the rewrite keeps in the order
+`tf.gradients` has: NOTE [names of recomputed ops] in rewriting/backprop.py); and
+TensorFlow's allocator hands a request a free block of up to twice its size whole (the
+command's transformer under MemoryBudget(0.5): an 8 MiB attention score took a 15 MiB block).
 
 Peaks count bytes above what is resident before the step: variables, constants, inputs.
 """
