@@ -142,12 +142,20 @@ def flops(op: tf.Operation) -> float:
         return 2.0 * out * inner
     if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
         kernel = queries.static_shape(op.inputs[1]) or (None, None, None)
-        window = math.prod(_known(d) for d in kernel[:-2])
-        per_output = window if op.type == "DepthwiseConv2dNative" else window * _known(kernel[-2])
+        window = math.prod(kernels.dimension_size(d) for d in kernel[:-2])
+        per_output = (
+            window
+            if op.type == "DepthwiseConv2dNative"
+            else window * kernels.dimension_size(kernel[-2])
+        )
         return 2.0 * out * per_output
     if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):
         kernel = queries.static_shape(op.inputs[1]) or (None, None)
-        return 2.0 * kernels.num_elements(op.inputs[2]) * math.prod(_known(d) for d in kernel[:-1])
+        return (
+            2.0
+            * kernels.num_elements(op.inputs[2])
+            * math.prod(kernels.dimension_size(d) for d in kernel[:-1])
+        )
     if op.type == "Einsum":
         return 2.0 * _einsum_terms(op)
     if op.type in REDUCTIONS and op.inputs:  # a pass over all of its input
@@ -164,14 +172,12 @@ def _einsum_terms(op: tf.Operation) -> float:
         shape = queries.static_shape(tensor) or ()
         if "." in letters or len(letters) != len(shape):
             return float(kernels.num_elements(op.outputs[0]))
-        sizes.update((letter, _known(d)) for letter, d in zip(letters, shape, strict=True))
+        sizes.update(
+            (letter, kernels.dimension_size(d)) for letter, d in zip(letters, shape, strict=True)
+        )
     return float(np.prod(list(sizes.values()), dtype=np.float64))
 
 
 def _dim(tensor: tf.Tensor, axis: int) -> int:
     shape = queries.static_shape(tensor)
-    return kernels.UNKNOWN_DIM_SIZE if shape is None else _known(shape[axis])
-
-
-def _known(dim: int | None) -> int:
-    return kernels.UNKNOWN_DIM_SIZE if dim is None else dim
+    return kernels.UNKNOWN_DIM_SIZE if shape is None else kernels.dimension_size(shape[axis])

@@ -48,7 +48,12 @@ def num_elements(tensor: tf.Tensor) -> int:
     shape = queries.static_shape(tensor)
     if shape is None:
         return UNKNOWN_DIM_SIZE
-    return math.prod(UNKNOWN_DIM_SIZE if d is None else d for d in shape)
+    return math.prod(dimension_size(d) for d in shape)
+
+
+def dimension_size(dim: int | None) -> int:
+    """A static dimension's size; `UNKNOWN_DIM_SIZE` where it is unknown."""
+    return UNKNOWN_DIM_SIZE if dim is None else dim
 
 
 def tensor_bytes(tensor: tf.Tensor) -> int:
