@@ -1,0 +1,163 @@
+"""Every `tf.gradients` option, under every kind of plan, in every graph mode.
+
+A twelve-layer swish MLP with biases: deep enough that 'memory' nests recomputation, with
+cheap ops that 'speed' and a budget recompute. Each option is passed to `tf.gradients` and to
+`gradients` alike, in a Session graph and in a tf.function (and, in the TF1 slice, under
+`disable_v2_behavior()`), and the two must agree. `gate_gradients` groups each op's input
+gradients behind one `group_deps`, which the rewrite's own ordering must respect (a cycle of
+300 nodes once did).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from tests.helpers import assert_recomputes_where_it_pays, assert_same_gradients, values
+
+tf1 = tf.compat.v1
+DEPTH, WIDTH, BATCH = 12, 64, 256
+
+OPTIONS = {
+    "gate_gradients": {"gate_gradients": True},
+    "aggregation_tree": {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE},
+    "aggregation_accumulate_n": {
+        "aggregation_method": tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N
+    },
+    "not_colocated": {"colocate_gradients_with_ops": False},
+    "stop_gradients": {"stop_gradients": "the fourth layer's output"},
+    "unconnected_zero": {"unconnected_gradients": "zero"},
+    "all_at_once": {
+        "gate_gradients": True,
+        "aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE,
+        "colocate_gradients_with_ops": False,
+        "stop_gradients": "the fourth layer's output",
+        "unconnected_gradients": "zero",
+        "name": "my_gradients",
+    },
+}
+STRATEGIES = {
+    "memory": lambda: "memory",
+    "speed": lambda: "speed",
+    "budget": lambda: msg.MemoryBudget(0.5),
+}
+
+
+class SwishMLP:
+    """Weights, biases, and one variable the loss never reads (its gradient is unconnected)."""
+
+    def __init__(self):
+        rng = np.random.RandomState(0)
+        self.weights = [
+            tf1.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
+            for _ in range(DEPTH)
+        ]
+        self.biases = [tf1.Variable(np.full(WIDTH, 0.1, np.float32)) for _ in range(DEPTH)]
+        self.unused = tf1.Variable(1.0)
+        self.x = rng.randn(BATCH, WIDTH).astype(np.float32)
+
+    @property
+    def variables(self):
+        return [*self.weights, *self.biases, self.unused]
+
+    def loss(self, x):
+        h, hidden = x, []
+        for w, b in zip(self.weights, self.biases, strict=True):
+            a = tf.matmul(h, w) + b
+            h = a * tf.sigmoid(a)
+            hidden.append(h)
+        return tf.reduce_mean(tf.square(h)), hidden
+
+
+def both_gradients(model, x, strategy, option):
+    """(tf.gradients, checkpointed gradients) of `model`'s loss, with `option` passed to both,
+    and the plan `gradients` followed."""
+    loss, hidden = model.loss(x)
+    options = dict(OPTIONS[option])
+    if "stop_gradients" in options:
+        options["stop_gradients"] = [hidden[3]]
+    checkpoints = STRATEGIES[strategy]()
+    reference = tf1.gradients(loss, model.variables, **options)
+    plan = msg.plan(loss, model.variables, checkpoints)
+    got = msg.gradients(loss, model.variables, checkpoints=checkpoints, **options)
+    return reference, got, plan
+
+
+def check_plan(plan, strategy):
+    """The plan recomputes (so the rewrite, not TensorFlow, is compared), nesting for 'memory'."""
+    assert plan.pays, plan
+    assert_recomputes_where_it_pays(plan)
+    if strategy == "memory":
+        assert plan.nested, plan
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_option_in_a_session(strategy, option):
+    with tf.Graph().as_default():
+        model = SwishMLP()
+        x = tf1.placeholder(tf.float32, model.x.shape)
+        reference, got, plan = both_gradients(model, x, strategy, option)
+        check_plan(plan, strategy)
+        assert [g is None for g in got] == [g is None for g in reference]
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            present = [(r, g) for r, g in zip(reference, got, strict=True) if r is not None]
+            want, have = session.run(list(zip(*present, strict=True)), {x: model.x})
+    assert_same_gradients(want, have)
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_option_in_a_function(strategy, option):
+    model = SwishMLP()
+    plans = []
+
+    @tf.function
+    def step(x):
+        reference, got, plan = both_gradients(model, x, strategy, option)
+        check_plan(plan, strategy)
+        plans.append(plan)
+        keep = [r is not None for r in reference]
+        assert [g is not None for g in got] == keep
+        return (
+            [r for r, k in zip(reference, keep, strict=True) if k],
+            [g for g, k in zip(got, keep, strict=True) if k],
+        )
+
+    want, have = values(step(tf.constant(model.x)))
+    assert plans
+    assert_same_gradients(want, have)
+
+
+OPTIMIZERS = {
+    "adam": lambda: tf1.train.AdamOptimizer(1e-2),
+    "gradient_descent": lambda: tf1.train.GradientDescentOptimizer(1e-2),
+    "momentum": lambda: tf1.train.MomentumOptimizer(1e-2, 0.9),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_patched_v1_minimize_gates_gradients_as_tensorflow_does(optimizer):
+    """`Optimizer.minimize` passes gate_gradients=GATE_OP; with 'memory' nesting on this
+    model, the variables after two steps equal those of TensorFlow's own gradients."""
+
+    def train(patched: bool):
+        with tf.Graph().as_default() as graph:
+            model = SwishMLP()
+            x = tf1.placeholder(tf.float32, model.x.shape)
+            loss, _ = model.loss(x)
+            trained = [*model.weights, *model.biases]
+            if patched:
+                with msg.patched("memory"):
+                    step = OPTIMIZERS[optimizer]().minimize(loss, var_list=trained)
+                assert any("/recompute_" in op.name for op in graph.get_operations())
+            else:
+                step = OPTIMIZERS[optimizer]().minimize(loss, var_list=trained)
+            with tf1.Session() as session:
+                session.run(tf1.global_variables_initializer())
+                for _ in range(2):
+                    session.run(step, {x: model.x})
+                return session.run(trained)
+
+    assert_same_gradients(train(patched=False), train(patched=True))
