@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from memory_saving_gradients import _moved
+
 #: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
 #: the first use of a name does, so a command can quiet TensorFlow before it starts.
 _PUBLIC = {
@@ -38,9 +40,12 @@ _PUBLIC = {
     "unpatch": "integrations.patching",
 }
 #: Public modules, by the name the package gives them.
-_MODULES = {"keras": "integrations.keras"}
+_MODULES = {"keras": "keras", "profiling": "profiling"}
+
+_moved.install()
 
 if TYPE_CHECKING:
+    from memory_saving_gradients import keras, profiling
     from memory_saving_gradients.analysis.measured import MeasuredCosts
     from memory_saving_gradients.analysis.view import ForwardView
     from memory_saving_gradients.api import (
@@ -50,7 +55,6 @@ if TYPE_CHECKING:
         gradients_speed,
         plan,
     )
-    from memory_saving_gradients.integrations import keras
     from memory_saving_gradients.integrations.patching import patch, patched, unpatch
     from memory_saving_gradients.integrations.tape import GradientTape
     from memory_saving_gradients.planning.plans import Plan
@@ -99,5 +103,6 @@ __all__ = [
     "patch",
     "patched",
     "plan",
+    "profiling",
     "unpatch",
 ]

@@ -1,12 +1,14 @@
 """The package's own surface: importing it is cheap, and every public name is what it says."""
 
 import ast
+import importlib
 import subprocess
 import sys
 
 import pytest
 
 import memory_saving_gradients as msg
+from memory_saving_gradients import _moved
 from tests.helpers import ROOT
 
 
@@ -32,6 +34,33 @@ def test_public_names_are_what_they_say_whatever_is_used_first():
     assert result.returncode == 0, result.stderr
 
 
+def test_documented_import_paths_import():
+    """Each path the README, the docstrings or earlier releases told users to write."""
+    result = run_python(
+        "import warnings\n"
+        "warnings.simplefilter('error')\n"
+        "import memory_saving_gradients as msg\n"
+        "import memory_saving_gradients.keras\n"
+        "from memory_saving_gradients.keras import LayerOutputs, MemoryLog, enable, "
+        "layer_outputs\n"
+        "assert msg.keras.enable is enable and msg.keras.MemoryLog is MemoryLog\n"
+        "assert callable(msg.profiling.peak_memory)\n"
+        "from memory_saving_gradients.profiling import measure_costs, peak_memory\n"
+        "from memory_saving_gradients import gradients_speed, gradients_memory, patch\n"
+        "assert callable(patch)\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_moved_paths_import_the_module_at_the_new_path_with_a_warning(old, monkeypatch):
+    name = f"memory_saving_gradients.{old}"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"{name} has moved to .*{_moved.MOVED[old]}"):
+        module = importlib.import_module(name)
+    assert module is importlib.import_module(f"memory_saving_gradients.{_moved.MOVED[old]}")
+
+
 #: The package's layers, and what each may import of it (`_tf` is the only module
 #: touching TensorFlow's private APIs; `api` and `cli` sit on top).
 MAY_IMPORT = {
@@ -40,6 +69,8 @@ MAY_IMPORT = {
     "rewriting": {"_tf", "analysis", "planning"},
     "api": {"_tf", "analysis", "planning", "rewriting"},
     "integrations": {"_tf", "analysis", "api", "profiling"},
+    "keras": {"integrations"},
+    "_moved": set(),
     "models": set(),
     "profiling": {"_tf", "analysis"},
     "_tf": set(),
