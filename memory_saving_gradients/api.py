@@ -31,6 +31,7 @@ from memory_saving_gradients.planning.policies import (
     MemoryBudget,
     NoCheckpointsError,
     Strategy,
+    check_checkpoints,
     plan_for,
 )
 from memory_saving_gradients.rewriting import backprop, enclosing
@@ -126,6 +127,7 @@ def compute_gradients(
     patched TensorFlow computes them for code the user did not write."""
     arguments.check_graph_mode()
     arguments.check_costs(costs)
+    check_checkpoints(checkpoints)
     args = arguments.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
         gradient_options = dataclasses.replace(options, stop_gradients=args.stop_gradients)
@@ -198,6 +200,7 @@ def plan(
     """
     arguments.check_graph_mode()
     arguments.check_costs(costs)
+    check_checkpoints(checkpoints)
     args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
     if args.only_tensorflow:
         raise ValueError(

@@ -102,7 +102,7 @@ def programs(draw, max_steps: int = 24) -> Program:
         extra_xs=tuple(draw(st.lists(values, max_size=2))),
         weights_as_xs=draw(st.booleans()),
         strategy=draw(st.sampled_from(STRATEGIES)),
-        budget=draw(st.sampled_from([0.05, 0.2, 0.5, 0.9, 1.5])),
+        budget=draw(st.sampled_from([0.05, 0.2, 0.5, 0.9, 0.99])),
         checkpoints=tuple(draw(st.lists(st.one_of(computed, values), max_size=8))),
         grad_ys=draw(st.booleans()),
     )

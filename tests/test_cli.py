@@ -104,6 +104,8 @@ def test_a_bad_option_stops_the_command_with_its_name():
         (["bench", "--batch", "0"], "--batch"),
         (["bench", "--strategies", "fastest"], "--strategies"),
         (["bench", "--budgets", "-0.5"], "--budgets"),
+        (["bench", "--budgets", "2.0"], "--budgets"),
+        (["explain", "--budgets", "40"], "--budgets"),
         (["bench", "--model", "ResNet50", "--depths", "4"], "--depths"),
         (["bench", "--model", "unet", "--depths", "5", "--size", "40"], "--depths"),
     ],

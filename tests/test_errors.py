@@ -49,15 +49,37 @@ def test_unknown_strategy_lists_the_known_ones():
             msg.gradients(loss, ws, checkpoints="fast")
 
 
-@pytest.mark.parametrize("fraction", [0, -0.5, "0.3", None, True])
-def test_memory_budget_refuses_what_is_no_positive_fraction(fraction):
-    expected = rf"MemoryBudget.*above 0.*fraction={re.escape(repr(fraction))}"
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda checkpoints: msg.GradientTape(checkpoints=checkpoints),
+        lambda checkpoints: msg.patch(checkpoints),
+    ],
+    ids=["tape", "patch"],
+)
+def test_unknown_strategy_is_refused_where_it_is_given(make):
+    try:
+        with pytest.raises(ValueError, match=r"'sped'.*\['balanced', 'collection'"):
+            make("sped")
+        with pytest.raises(TypeError, match=r"must be a strategy name.*got 3"):
+            make(3)
+    finally:
+        msg.unpatch()
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, "0.3", True, 1, 2.0, 40])
+def test_memory_budget_refuses_what_is_no_fraction_between_0_and_1(fraction):
+    """MemoryBudget(40), meant as 40%, computed plain gradients and said nothing."""
+    expected = (
+        rf"MemoryBudget fraction {re.escape(repr(fraction))} is not between 0 and 1.*"
+        r"MemoryBudget\(0\.4\) for 40%.*bytes=2\*\*30"
+    )
     with pytest.raises(ValueError, match=expected):
         msg.MemoryBudget(fraction)
 
 
 @pytest.mark.parametrize(
-    "arguments", [{"bytes": 0}, {"bytes": -1}, {"fraction": 0.5, "bytes": 10}]
+    "arguments", [{"bytes": 0}, {"bytes": -1}, {"fraction": 0.5, "bytes": 10}, {}]
 )
 def test_memory_budget_takes_a_fraction_or_a_positive_number_of_bytes(arguments):
     with pytest.raises(ValueError, match=r"MemoryBudget.*bytes=2\*\*30"):

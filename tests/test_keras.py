@@ -253,6 +253,15 @@ def test_enable_takes_keras_models_only(value):
         msg.keras.enable(value)
 
 
+@pytest.mark.parametrize(
+    ("checkpoints", "error"), [("sped", ValueError), (msg.MemoryBudget, TypeError), (3, TypeError)]
+)
+def test_enable_checks_checkpoints_before_fit(checkpoints, error):
+    """A misspelt strategy was accepted and failed only at the first `fit`."""
+    with pytest.raises(error, match=r"'sped'.*\['balanced'|must be a strategy|is a class"):
+        msg.keras.enable(residual_mlp(), checkpoints=checkpoints)
+
+
 class OwnTrainStep(keras.Model):
     def train_step(self, data):
         return super().train_step(data)

@@ -253,8 +253,10 @@ def _fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a budget must be above 0, got {text}")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(
+            f"a budget is a fraction of plain's peak between 0 and 1 (0.4 for 40%), got {text}"
+        )
     return value
 
 

@@ -43,7 +43,13 @@ import tensorflow as tf
 
 from memory_saving_gradients.analysis.measured import MeasuredCosts
 from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.api import CheckpointsArg, Plan, Strategy, plan_for
+from memory_saving_gradients.api import (
+    CheckpointsArg,
+    Plan,
+    Strategy,
+    check_checkpoints,
+    plan_for,
+)
 from memory_saving_gradients.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients.integrations.tape import GradientTape
@@ -72,7 +78,8 @@ def enable(
       RuntimeError: Keras does not run on the TensorFlow backend.
       TypeError: `model` is not a Keras 3 model, or its class defines its own `train_step`
         (use `memory_saving_gradients.GradientTape` there instead of `tf.GradientTape`).
-      ValueError: `checkpoints` is a `layer_outputs` policy naming no layer of `model`.
+      ValueError: `checkpoints` names no strategy, or is a `layer_outputs` policy naming no
+        layer of `model`.
     """
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
@@ -86,6 +93,7 @@ def enable(
             f"{type(model).__name__} defines its own train_step, which enable() would replace: "
             "use memory_saving_gradients.GradientTape there instead of tf.GradientTape."
         )
+    check_checkpoints(checkpoints)
     chosen = checkpoints.bound_to(model) if isinstance(checkpoints, LayerOutputs) else checkpoints
     recorded = _recording_plans(model, chosen)
     model.train_step = types.MethodType(_checkpointed_train_step(recorded), model)

@@ -19,7 +19,12 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
-from memory_saving_gradients.api import CheckpointsArg, GradientOptions, compute_gradients
+from memory_saving_gradients.api import (
+    CheckpointsArg,
+    GradientOptions,
+    check_checkpoints,
+    compute_gradients,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +82,11 @@ def patch(checkpoints: CheckpointsArg = "memory") -> None:
     """Make every TensorFlow gradient entry point compute checkpointed gradients.
 
     Calling it again switches the strategy; `unpatch` restores TensorFlow's own functions.
+
+    Raises:
+      ValueError, TypeError: `checkpoints` names no strategy or is of the wrong kind.
     """
+    check_checkpoints(checkpoints)
     replacements = {"v1": _v1_signature(checkpoints), "v2": _v2_signature(checkpoints)}
     for point in _tf.GRADIENT_ENTRY_POINTS:
         setattr(point.module, point.attribute, replacements[point.signature])

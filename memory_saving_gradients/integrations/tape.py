@@ -32,7 +32,12 @@ from memory_saving_gradients import _tf
 from memory_saving_gradients.analysis import queries
 from memory_saving_gradients.analysis.arguments import graph_of
 from memory_saving_gradients.analysis.measured import MeasuredCosts
-from memory_saving_gradients.api import CheckpointsArg, gradients, unconnected_filled
+from memory_saving_gradients.api import (
+    CheckpointsArg,
+    check_checkpoints,
+    gradients,
+    unconnected_filled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class GradientTape(tf.GradientTape):
         gradients_held: bool = False,
         costs: MeasuredCosts | None = None,
     ) -> None:
+        check_checkpoints(checkpoints)
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
         self.gradients_held = gradients_held

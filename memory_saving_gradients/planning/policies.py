@@ -290,15 +290,22 @@ class MemoryBudget:
     bytes: int | None = None
 
     def __post_init__(self) -> None:
-        given = [value for value in (self.fraction, self.bytes) if value is not None]
-        valid = len(given) == 1 and all(
-            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in given
-        )
-        if not valid:
+        if (self.fraction is None) == (self.bytes is None):
             raise ValueError(
-                "MemoryBudget takes either a fraction of plain backprop's peak above 0 (e.g. "
-                f"MemoryBudget(0.3)) or a number of bytes (MemoryBudget(bytes=2**30)), got "
+                "MemoryBudget takes either a fraction of plain backprop's peak (e.g. "
+                "MemoryBudget(0.4)) or a number of bytes (MemoryBudget(bytes=2**30)), got "
                 f"fraction={self.fraction!r}, bytes={self.bytes!r}."
+            )
+        if self.fraction is not None and not (_is_number(self.fraction) and 0 < self.fraction < 1):
+            raise ValueError(
+                f"MemoryBudget fraction {self.fraction!r} is not between 0 and 1: pass the "
+                "share of plain backprop's peak to keep (MemoryBudget(0.4) for 40%), or a "
+                "number of bytes (MemoryBudget(bytes=2**30))."
+            )
+        if self.bytes is not None and not (_is_number(self.bytes) and self.bytes > 0):
+            raise ValueError(
+                f"MemoryBudget bytes={self.bytes!r} is not a positive number of bytes "
+                "(e.g. MemoryBudget(bytes=2**30) for 1 GiB)."
             )
 
     def __repr__(self) -> str:
@@ -323,6 +330,10 @@ class MemoryBudget:
         )
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def plan_for(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
     """The plan for `view` from a strategy name or callable, a Plan, or a list of tensors or
     tensor names.
@@ -340,12 +351,8 @@ def plan_for(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
                 "memory_saving_gradients.plan for the same ys and xs."
             )
         return checkpoints
+    check_checkpoints(checkpoints)
     if isinstance(checkpoints, str):
-        if checkpoints not in STRATEGIES:
-            raise ValueError(
-                f"Unknown checkpoint strategy {checkpoints!r}: use one of "
-                f"{sorted(STRATEGIES)}, a MemoryBudget, a callable or a list of tensors."
-            )
         return STRATEGIES[checkpoints](view)
     if not callable(checkpoints):
         return _kept(view, checkpoints, _LIST_LABEL, _LIST_ADVICE)
@@ -353,6 +360,32 @@ def plan_for(view: ForwardView, checkpoints: CheckpointsArg) -> Plan:
     if isinstance(result, Plan):
         return result
     return _kept(view, result, _label_of(checkpoints), _LIST_ADVICE)
+
+
+def check_checkpoints(checkpoints: CheckpointsArg) -> None:
+    """Fail early where `checkpoints` can be no `checkpoints` argument: an unknown strategy
+    name, or neither a Plan, a callable nor a list (whose entries need the graph to check).
+
+    Raises:
+      ValueError: an unknown strategy name.
+      TypeError: any other value of the wrong kind.
+    """
+    if isinstance(checkpoints, str):
+        if checkpoints not in STRATEGIES:
+            raise ValueError(
+                f"Unknown checkpoint strategy {checkpoints!r}: use one of "
+                f"{sorted(STRATEGIES)}, a MemoryBudget, a callable or a list of tensors."
+            )
+    elif isinstance(checkpoints, type):
+        raise TypeError(
+            f"checkpoints={checkpoints.__name__} is a class: pass an instance of it, e.g. "
+            "MemoryBudget(0.4)."
+        )
+    elif not (isinstance(checkpoints, Plan | Sequence) or callable(checkpoints)):
+        raise TypeError(
+            f"checkpoints must be a strategy name, a MemoryBudget, a Plan, a callable or a "
+            f"list of tensors, got {checkpoints!r}."
+        )
 
 
 def _label_of(strategy: Callable) -> str:
