@@ -81,6 +81,21 @@ def test_explain_prints_each_plan_and_why():
     assert "MemoryBudget" not in stdout
 
 
+def test_a_budget_below_reach_explains_memorys_plan():
+    """'memory' recomputed 0.88 of the forward compute here; MemoryBudget(0.25), below
+    reach, took a plan of the same peak recomputing 2.72."""
+    stdout = command(
+        "explain", "--model", "resnet", "--depth", "4", "--strategies", "memory",
+        "--budgets", "0.25",
+    )  # fmt: skip
+    memory, budget = stdout.split("== MemoryBudget(0.25)")
+    recomputes = [
+        next(line for line in part.splitlines() if line.startswith("  recomputes"))
+        for part in (memory, budget)
+    ]
+    assert recomputes[0] == recomputes[1], recomputes
+
+
 def test_a_bad_option_stops_the_command_with_its_name():
     result = subprocess.run(
         [sys.executable, "-m", "memory_saving_gradients", "bench", "--model", "NoSuchNet"],

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.planning import search
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,
@@ -86,12 +87,28 @@ def test_memory_budget_takes_a_fraction_or_a_positive_number_of_bytes(arguments)
         msg.MemoryBudget(**arguments)
 
 
-def test_memory_budget_too_small_to_meet_is_logged(caplog):
-    with tf.Graph().as_default():
-        _, ws, _, loss = chain()
-        caplog.set_level(logging.WARNING, logger="memory_saving_gradients")
-        msg.gradients(loss, ws, checkpoints=msg.MemoryBudget(0.001))
-    assert "No checkpoints fit MemoryBudget(0.001)" in caplog.text
+def test_memory_budget_too_small_to_meet_takes_memorys_plan_and_says_so_once(caplog, monkeypatch):
+    """Below reach, a budget took a plan of the same peak as 'memory''s recomputing three
+    times as much, and warned once per model built."""
+    monkeypatch.setattr(search, "_SAID_BELOW_REACH", set(), raising=False)
+    caplog.set_level(logging.INFO, logger="memory_saving_gradients")
+    budget = msg.MemoryBudget(0.001)
+    for depth in (8, 12):
+        with tf.Graph().as_default():
+            x = tf1.placeholder(tf.float32, [64, 32])
+            ws = square_weights(depth, 32)
+            h = x
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w) + 1.0)
+            loss = tf.reduce_sum(h * h)
+            chosen, memory = msg.plan(loss, ws, budget), msg.plan(loss, ws, "memory")
+        assert chosen.levels == memory.levels
+        assert chosen.recompute_flops_fraction == memory.recompute_flops_fraction
+    below = [r for r in caplog.records if "MemoryBudget(0.001) (" in r.getMessage()]
+    assert [r.levelno for r in below] == [logging.WARNING, logging.INFO], caplog.text
+    assert "is below the least predicted peak: using the plan of checkpoints='memory'" in (
+        below[0].getMessage()
+    )
 
 
 def test_checkpoint_that_is_an_operation_says_which_output_to_pass():

@@ -281,9 +281,9 @@ class MemoryBudget:
     pass (on chains, down to O(log n) activations; 'memory' takes the least of those). Pass
     it wherever `checkpoints` is accepted, e.g. `checkpoints=MemoryBudget(0.25)` or
     `MemoryBudget(bytes=12 * 2**30)`. Plans keep the largest recomputed tensor free beside
-    the budget (`search.budget_headroom`). At a budget no plan fits, the smallest predicted
-    peak's plan is used and that peak is logged; at or above plain backprop's peak nothing is
-    recomputed.
+    the budget (`search.budget_headroom`). At a budget no plan fits, the plan of
+    checkpoints='memory' is used and its peak is logged; at or above plain backprop's peak
+    (`bytes=` only) nothing is recomputed.
     """
 
     fraction: float | None = None

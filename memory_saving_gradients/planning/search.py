@@ -28,11 +28,19 @@ def least_peak(view: ForwardView, label: str) -> Plan:
     """The plan recomputing least among those whose predicted peak is within
     `tunables.NESTING_GAIN` of the least found, called `label`."""
     order = cut_search.Order.of(view, view.costs)
-    candidates = _least_peak_candidates(view, order, label, simulation.plain_peak(view))
+    return _least_peak_of(view, order, label, simulation.plain_peak(view))
+
+
+def _least_peak_of(view: ForwardView, order: cut_search.Order, label: str, plain: int) -> Plan:
+    """`least_peak` on the cuts of `order`; `plain` is plain backprop's predicted peak."""
+    candidates = _least_peak_candidates(view, order, label, plain)
     close = _near_least([plan for plan, _ in candidates], tunables.NESTING_GAIN)
-    return min(
-        ((work, plan) for plan, work in candidates if plan in close), key=lambda pair: pair[0]
-    )[1]
+    return _least_work([(plan, work) for plan, work in candidates if plan in close])
+
+
+def _least_work(candidates: Sequence[tuple[Plan, float]]) -> Plan:
+    """The plan of `candidates` (each with the forward compute it repeats) repeating least."""
+    return min(candidates, key=lambda pair: pair[1])[0]
 
 
 def _near_least(plans: Sequence[Plan], gain: float) -> list[Plan]:
@@ -77,9 +85,8 @@ def within_budget(
     saveable: Sequence[Sequence[tf.Tensor]] = (),
 ) -> Plan:
     """The plan recomputing least whose predicted peak is within `budget` bytes, less
-    `headroom`; where none is, the one with the smallest predicted peak (logged unless it is
-    within `budget`). `plain` is plain backprop's predicted peak, `label` what the plan is
-    called.
+    `headroom`; where none is, the plan of checkpoints='memory', logged. `plain` is plain
+    backprop's predicted peak, `label` what the plan is called.
 
     Each of `saveable` is a set of tensors that plans may keep inside their segments
     (selective recomputation: one level of cuts, the ops of those tensors never recomputed);
@@ -117,8 +124,8 @@ class _BudgetSearch:
 
     Where one level of cuts reaches the budget, the largest model peak whose plan fits is
     bisected between one level's least and the budget scaled to the model; below, nested
-    plans are tried for model peaks tightened until one fits, and then the plan with the
-    smallest predicted peak, which may still fit.
+    plans are tried for model peaks tightened until one fits, and then the plans whose
+    peaks may be the least, of which one may still fit.
     """
 
     def __init__(
@@ -168,8 +175,10 @@ class _BudgetSearch:
         return fitting if fitting.recompute_flops_fraction < cheaper_than else None
 
     def nested(self, budget: float) -> Plan:
-        """Nested plans for model peaks tightened until one fits; else the plan with the
-        smallest predicted peak, logged unless it is within `budget`."""
+        """Nested plans for model peaks tightened until one fits `usable`; else, of the
+        plans whose peaks may be the least, the one recomputing least within `budget`; else
+        the plan of checkpoints='memory' (the least recompute near the least predicted
+        peak), logged."""
         if not len(self.order.ops):
             return Plan(self.view, [()], self.label, self.plain)
         target = self.target
@@ -180,15 +189,13 @@ class _BudgetSearch:
             if self._fits(plan):
                 return plan
             target *= 0.98 * self.usable / plan.peak_bytes
-        smallest = _smallest(self.view, self.order, self.label, self.plain)
-        if smallest.peak_bytes > budget:
-            logger.warning(
-                "No checkpoints fit %s (%.1f MiB): the smallest predicted peak is %.1f MiB "
-                "(%.2f of plain backprop's %.1f MiB); using the checkpoints that give it.",
-                self.label, budget / MIB, smallest.peak_bytes / MIB,
-                smallest.peak_bytes / self.plain, self.plain / MIB,
-            )  # fmt: skip
-        return smallest
+        candidates = _least_peak_candidates(self.view, self.order, self.label, self.plain)
+        within = [(plan, work) for plan, work in candidates if plan.peak_within(budget)]
+        if within:
+            return _least_work(within)
+        least = _least_peak_of(self.view, self.order, self.label, self.plain)
+        _log_below_reach(self.label, budget, least)
+        return least
 
     def _plan(self, cuts: cut_search.Cuts) -> Plan:
         checkpoints = cut_search.checkpoints_of(self.order, cuts)
@@ -250,7 +257,21 @@ def _least_peak_candidates(
     ]  # fmt: skip
 
 
-def _smallest(view: ForwardView, order: cut_search.Order, label: str, plain: int) -> Plan:
-    """The plan with the smallest predicted peak of `_least_peak_candidates`."""
-    plans = [plan for plan, _ in _least_peak_candidates(view, order, label, plain)]
-    return min(_near_least(plans, 0.0), key=lambda plan: plan.peak_bytes)
+#: Budgets already said to be below reach: a model traced again, or built at several sizes
+#: (the demo's depths), is told at info level after the first warning.
+_SAID_BELOW_REACH: set[str] = set()
+
+
+def _log_below_reach(label: str, budget: float, least: Plan) -> None:
+    """Say that no plan fits the budget `label` asks for, and that 'memory''s plan, `least`,
+    is used: a warning the first time for that budget, info after."""
+    log = logger.info if label in _SAID_BELOW_REACH else logger.warning
+    _SAID_BELOW_REACH.add(label)
+    log(
+        "%s (%.1f MiB) is below the least predicted peak: using the plan of "
+        "checkpoints='memory', %.1f MiB (%.2f of plain backprop's %.1f MiB), recomputing "
+        "%.2f of the forward compute.",
+        label, budget / MIB, least.peak_bytes / MIB,
+        least.peak_bytes / least.plain_peak_bytes, least.plain_peak_bytes / MIB,
+        least.recompute_flops_fraction,
+    )  # fmt: skip
