@@ -102,4 +102,5 @@ def measure_costs(
         peak_bytes=min(peaks) if peaks else profiled_peak,
         step_seconds=statistics.median(times) if times else profiled_time,
         kernel_seconds=sum(record.seconds for record in kernels.values()),
+        device=device,
     )

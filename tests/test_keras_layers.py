@@ -244,8 +244,8 @@ def test_memory_log_adds_peaks_and_saving_to_history():
     plain, enabled = histories
     assert set(plain) == {"loss", "peak_memory_mib"}
     keys = {"peak_memory_mib", "predicted_peak_mib", "predicted_plain_peak_mib",
-            "memory_saved_fraction"}  # fmt: skip
-    assert keys <= set(enabled)
+            "predicted_memory_saved_fraction"}  # fmt: skip
+    assert set(enabled) == {"loss", *keys}, "no plain step measured: no measured saving"
     assert all(len(enabled[key]) == 2 for key in keys)
     assert all(0 < peak < 64 for peak in enabled["peak_memory_mib"])
     predicted, plain_predicted = (
@@ -253,7 +253,29 @@ def test_memory_log_adds_peaks_and_saving_to_history():
         enabled["predicted_plain_peak_mib"][0],
     )
     assert 0 < predicted < plain_predicted
-    assert all(-1 < saved < 1 for saved in enabled["memory_saved_fraction"])
+    assert enabled["predicted_memory_saved_fraction"][0] == pytest.approx(
+        1 - predicted / plain_predicted
+    )
+
+
+def test_memory_log_sets_the_measured_peak_against_the_measured_plain_step():
+    """With `measure=True` the first step is plain and measured: the saving is measured
+    against it (it was set against plain's predicted peak, logging 0.63 saved where 0.79 was
+    measured), and that plain step is not one of the checkpointed steps' peaks."""
+    model = msg.keras.enable(
+        named_chain(), msg.keras.layer_outputs("block1_out", "block3_out"), measure=True
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = batch(2048)
+    log = msg.keras.MemoryLog()
+    history = model.fit(x, y, batch_size=512, epochs=1, verbose=0, callbacks=[log]).history
+    assert len(log.step_peaks) == 3
+    plain = model.measured_costs.peak_bytes / 2**20
+    assert history["plain_peak_memory_mib"] == [plain]
+    peak = history["peak_memory_mib"][0]
+    assert 0 < peak < plain
+    assert history["memory_saved_fraction"] == [pytest.approx(1 - peak / plain)]
+    assert "predicted_memory_saved_fraction" in history
 
 
 def test_memory_log_logs_no_peak_where_the_allocator_shows_none(caplog):

@@ -91,12 +91,14 @@ class MeasuredCosts:
       peak_bytes: the step's activation peak (bytes above what was resident before it).
       step_seconds: the step's wall time, unprofiled.
       kernel_seconds: the time of all its kernels together, profiled.
+      device: the device whose allocator `peak_bytes` was read from.
     """
 
     kernels: Mapping[str, KernelRecord]
     peak_bytes: int
     step_seconds: float
     kernel_seconds: float
+    device: str = "CPU:0"
 
     def for_ops(self, names: Iterable[str]) -> dict[str, OpMeasurement]:
         """What each of the forward ops `names` measured, its gradient ops' records charged

@@ -281,7 +281,9 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
 
         def first_step(data):
             logs = []
-            costs = measure_costs(lambda: logs.append(plain(data)), warmup=0, repeats=0)
+            costs = measure_costs(
+                lambda: logs.append(plain(data)), _step_device(), warmup=0, repeats=0
+            )
             logger.info("Keras model %s: %s", model.name, costs.report(5))
             model.measured_costs = costs
             model.train_step = types.MethodType(
@@ -294,6 +296,11 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
         return first_step
 
     return make_train_function
+
+
+def _step_device() -> str:
+    """The device whose allocator holds the step's tensors: the first GPU, else the CPU."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
 def _keep_nothing(view: ForwardView) -> Plan:

@@ -9,11 +9,15 @@ and `CSVLogger` read them,
   during the step minus what was resident before it (weights, optimizer state, inputs). The
   median, not the largest: an epoch's first steps also fill the buffers of its input
   pipeline. `step_peaks` holds each step's bytes of the last epoch;
-- `predicted_peak_mib`, `predicted_plain_peak_mib`: what the plan of the traced training step
-  predicts with its checkpoints, and for plain backprop (`Plan.peak_bytes`,
-  `Plan.plain_peak_bytes`; plain's twice where the plan does not pay and gradients are
-  plain);
-- `memory_saved_fraction`: 1 - measured peak / plain's predicted peak.
+- `plain_peak_memory_mib`, `memory_saved_fraction`: where a plain step was measured
+  (`enable(model, ..., measure=True)`, whose first step is plain), that step's activation
+  peak, and 1 - measured peak / measured plain peak. That first step is left out of
+  `peak_memory_mib`;
+- `predicted_peak_mib`, `predicted_plain_peak_mib`, `predicted_memory_saved_fraction`: what
+  the plan of the traced training step predicts with its checkpoints and for plain backprop
+  (`Plan.peak_bytes`, `Plan.plain_peak_bytes`; plain's twice where the plan does not pay and
+  gradients are plain), and the saving between the two. A prediction is never set against a
+  measurement: the cost model's plain peak can be far from the measured one.
 
 The predictions come from the model's `checkpoint_plan`, which `msg.keras.enable` keeps; a
 model that is not enabled logs its peak only.
@@ -25,9 +29,8 @@ the CPU they leave out small tensors, so a small model's steps can read as alloc
 then nothing is logged either, and a warning says why. They count what that one device
 allocates from the start of a batch's callbacks to their end (with `steps_per_execution`,
 several steps at once), so an input pipeline running beside the step on the same device counts
-too, and copies made on other devices do not. The saving sets a measurement against a
-prediction: it is as exact as the cost model's prediction of plain backprop (README, "Seeing
-the plan before training").
+too, and copies made on other devices do not. The measured plain step ran under
+TensorFlow's profiler as the step's first call.
 """
 
 from __future__ import annotations
@@ -39,15 +42,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.api import MIB, Plan
+from memory_saving_gradients.api import MIB, MeasuredCosts, Plan
 
 logger = logging.getLogger(__name__)
 
 
 class MemoryLog(keras.callbacks.Callback):
-    """Adds each epoch's training-step activation peak and the saving against plain backprop's
-    predicted peak to `logs` (so History and TensorBoard show them):
+    """Adds each epoch's training-step activation peak, and the saving against plain
+    backprop's, to `logs` (so History and TensorBoard show them):
 
+        msg.keras.enable(model, "memory", measure=True)  # the first step is plain, measured
         history = model.fit(x, y, epochs=3, callbacks=[msg.keras.MemoryLog()])
         history.history["peak_memory_mib"], history.history["memory_saved_fraction"]
 
@@ -63,6 +67,7 @@ class MemoryLog(keras.callbacks.Callback):
         self._resident = 0
         self._measurable = True
         self._warned_small = False
+        self._plain_measured_before = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if not hasattr(self.model, "checkpoint_plan"):
@@ -78,6 +83,7 @@ class MemoryLog(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if not self._measurable:
             return
+        self._plain_measured_before = self._plain_peak() is not None
         try:
             tf.config.experimental.reset_memory_stats(self.device)
             self._resident = tf.config.experimental.get_memory_info(self.device)["current"]
@@ -92,6 +98,8 @@ class MemoryLog(keras.callbacks.Callback):
         if not self._measurable:
             return
         _wait_for(logs)
+        if self._plain_peak() is not None and not self._plain_measured_before:
+            return  # the plain step `enable(..., measure=True)` measured itself
         peak = tf.config.experimental.get_memory_info(self.device)["peak"] - self._resident
         self.step_peaks.append(peak)
 
@@ -109,13 +117,26 @@ class MemoryLog(keras.callbacks.Callback):
             return
         peak = statistics.median_low(self.step_peaks)
         logs["peak_memory_mib"] = peak / MIB
+        plain_peak = self._plain_peak()
+        if plain_peak:
+            logs["plain_peak_memory_mib"] = plain_peak / MIB
+            logs["memory_saved_fraction"] = 1 - peak / plain_peak
         plan: Plan | None = getattr(self.model, "checkpoint_plan", None)
         if plan is None:
             return
         plain = plan.plain_peak_bytes
-        logs["predicted_peak_mib"] = (plan.peak_bytes if plan.pays else plain) / MIB
+        predicted = plan.peak_bytes if plan.pays else plain
+        logs["predicted_peak_mib"] = predicted / MIB
         logs["predicted_plain_peak_mib"] = plain / MIB
-        logs["memory_saved_fraction"] = 1 - peak / plain if plain else 0.0
+        logs["predicted_memory_saved_fraction"] = 1 - predicted / plain if plain else 0.0
+
+    def _plain_peak(self) -> int | None:
+        """The activation peak of the plain step `enable(..., measure=True)` measured, on this
+        callback's device; None where none was."""
+        costs: MeasuredCosts | None = getattr(self.model, "measured_costs", None)
+        if costs is None or costs.device != self.device:
+            return None
+        return costs.peak_bytes
 
 
 def _wait_for(logs: dict | None) -> None:
