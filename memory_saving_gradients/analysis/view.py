@@ -10,7 +10,9 @@ they were computed in the forward pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import operator
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -283,6 +285,42 @@ class ForwardView:
     def consumers(self, tensor: tf.Tensor) -> list[tf.Operation]:
         """The ops of this view that read `tensor`."""
         return [op for op in tensor.consumers() if op in self.position]
+
+    def forward_before_gradients(self, tensors: Sequence[tf.Tensor]) -> int:
+        """The ops that have run once the gradients arriving at `tensors` exist, as a bitset
+        of their positions: each op whose gradient, on the way from the ys to `tensors`,
+        reads forward values (`OpCost.saved_inputs`, `saved_outputs`; an unknown gradient
+        reads them all), and every op it is computed from. Backprop from a loss seeded with
+        constants reaches an independent branch (one chain of `a + b`) before the forward
+        pass of the other has run."""
+        return functools.reduce(
+            operator.or_,
+            (self._forward_below[op] for t in tensors for op in self.consumers(t)),
+            0,
+        )
+
+    @cached_property
+    def _forward_below(self) -> dict[tf.Operation, int]:
+        """For each op, `forward_before_gradients` of its outputs with its own gradient (a
+        TF1 loop's back edges left out)."""
+        above: dict[tf.Operation, int] = {}
+        for op in self.ops:
+            above[op] = functools.reduce(
+                operator.or_,
+                (above[t.op] for t in op.inputs if t.op in above),
+                1 << self.position[op],
+            )
+        below: dict[tf.Operation, int] = {}
+        for op in reversed(self.ops):
+            cost = self.costs[op]
+            reads_forward = cost.gradient is None or cost.saved_inputs or cost.saved_outputs
+            below[op] = functools.reduce(
+                operator.or_,
+                # .get: a TF1 loop's NextIteration feeds the Merge before it
+                (below.get(reader, 0) for out in op.outputs for reader in self.consumers(out)),
+                above[op] if reads_forward else 0,
+            )
+        return below
 
 
 # NOTE [weight ops wait for their readers]: an op computed from variables alone, such as

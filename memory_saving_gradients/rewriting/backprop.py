@@ -76,7 +76,12 @@ class _Part:
 # runs copies as soon as their inputs exist, during the forward pass, and holds them), and a
 # step starts only once the steps before it are done: the executor could otherwise leave
 # their weight gradients queued, or start a step while an independent branch's backprop is
-# still holding its activations. The backward pass runs one step at a time.
+# still holding its activations. The backward pass runs one step at a time. A gate does not
+# wait for parts of a branch whose forward pass need not have run when its own gradients
+# arrive (`ForwardView.forward_before_gradients`): backprop from a loss seeded with constants
+# reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
+# step's boundaries through that forward pass, as plain backprop does not (the original
+# library's dual chain: 6.3 MB against plain's 5.1). A later gate waits for them.
 #
 # Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
 # BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
@@ -126,7 +131,7 @@ class _Backprop:
         incoming = [self.gradient(t) for t in reached]
         if not read:
             return [], incoming
-        waited, self._unwaited = self._unwaited, []
+        waited, self._unwaited = self._waited_by(reached)
         waited_parts = [part.gradient for part in waited]
         arriving = _flat(incoming)
         values = [self.values.of(t) for t in read]
@@ -139,6 +144,18 @@ class _Backprop:
             parts = self._parts[part.gradient_of.ref()]
             parts[:] = [value if p is part.gradient else p for p in parts]
         return gated[: len(read)], gated_incoming
+
+    def _waited_by(self, reached: Sequence[tf.Tensor]) -> tuple[list[_Part], list[_Part]]:
+        """The parts found since the last gate that a step arriving at `reached` waits for
+        (NOTE [gates]), and the others: a part of a branch whose forward pass need not have
+        run when the step's gradients arrive is left to a later gate."""
+        ran = self.view.forward_before_gradients(reached)
+        waited: list[_Part] = []
+        left: list[_Part] = []
+        for part in self._unwaited:
+            needs = self.view.forward_before_gradients([part.gradient_of])
+            (left if needs & ~ran else waited).append(part)
+        return waited, left
 
     def differentiate(
         self,
