@@ -280,6 +280,29 @@ def test_independent_branches_are_recomputed_one_after_the_other():
     assert checkpointed <= 2 * (n - k) + 2 + SLACK_MB
 
 
+def test_custom_gradients_closing_over_forward_tensors_free_them():
+    """`tf.nn.silu` is a `tf.custom_gradient` whose gradient reads the forward tensor it was
+    called with: differentiating a recomputed copy read the original, so every layer's input
+    stayed alive (32 layers: 34.4 MB under 'memory', plain's own peak; 10.2 now) (NOTE
+    [gradients closing over forward tensors])."""
+    n = 32
+
+    def build(checkpoints):
+        start = tf.Variable(tf.ones([MB]) * 0.5)
+        h = start.read_value()
+        for _ in range(n):
+            h = tf.nn.silu(h)
+        y = tf.reduce_sum(h)
+        if checkpoints is None:
+            return tf1.gradients(y, start)[0]
+        return msg.gradients(y, start, checkpoints=checkpoints)[0]
+
+    plain = step_peak_mb(lambda: build(None))
+    checkpointed = step_peak_mb(lambda: build("memory"))
+    assert plain > n
+    assert checkpointed <= shrinking_segments_peak(n) + 3 + SLACK_MB
+
+
 def dual_chain_peak_mb(checkpointed: bool) -> float:
     """The original library's "dual chain rewrite" (its memory_test.py), in its Session
     configuration: two chains of 5 ops from constants, `y = a[-1] + b[-1]`, differentiated

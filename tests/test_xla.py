@@ -255,6 +255,29 @@ def test_concrete_functions_of_xla_steps_recompute_and_equal_plain(model_fn):
     assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
 
 
+@pytest.mark.parametrize("strategy", ["memory", "speed"])
+def test_tensordot_of_an_unknown_batch_compiles_recomputed(strategy):
+    """`tf.tensordot` (Keras's Dense on 3-d inputs) reshapes to a target computed from
+    `tf.shape` of its input; a recomputed copy read that target through its gate, which XLA
+    cannot evaluate at compile time ("must be a compile-time constant"), as Keras `fit`
+    traces with the batch unknown."""
+    variables = weights([(64, 64)] * 8)
+
+    @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, 32, 64])])
+    def step(x):
+        h = x
+        for w in variables:
+            h = tf.tanh(tf.tensordot(h, w, axes=1))
+        loss = tf.reduce_sum(h * h)
+        got = msg.gradients(loss, variables, checkpoints=strategy)
+        assert_recomputes(tf1.get_default_graph())
+        return tf.gradients(loss, variables), got
+
+    x = tf.constant(np.random.default_rng(0).standard_normal((4, 32, 64)).astype("f4"))
+    reference, got = step(x)
+    assert_same_gradients([g.numpy() for g in reference], [g.numpy() for g in got])
+
+
 def test_random_ops_are_not_recomputed_under_xla():
     """Dropout without a seed: a recomputed mask would change the gradients."""
     model = models.dropout_chain()

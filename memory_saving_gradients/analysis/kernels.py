@@ -147,3 +147,19 @@ def _cpu_flags() -> frozenset[str]:
 SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 #: Ops that read only the shape of a tensor, which does not keep it alive for backprop.
 SHAPE_READERS = SHAPE_OF | {"BroadcastGradientArgs"}
+
+
+def computed_from_shapes(tensor: tf.Tensor) -> bool:
+    """Whether `tensor`'s value follows from static shapes and constants alone, as the
+    target of the reshape inside `tf.tensordot`, computed from `tf.shape` of its input: under
+    XLA, where every shape is static, a compile-time constant."""
+    pending, seen = [tensor.op], set()
+    while pending:
+        op = pending.pop()
+        if op in seen or op.type in SHAPE_OF or op.type == "Const":
+            continue
+        if not op.inputs or _tf.is_stateful(op):
+            return False
+        seen.add(op)
+        pending.extend(t.op for t in op.inputs)
+    return True

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients import _tf
+from memory_saving_gradients.analysis import kernels
 
 
 def gate(
@@ -30,14 +31,19 @@ def gate(
     zero nor drop the dependency, as they drop identities, IdentityN outputs nobody reads and
     reshapes to a known shape. Inside an XLA-compiled function a tensor is passed on as
     itself minus a zero computed from one element of `after` and of each of `waits` (NOTE
-    [gates under XLA]); `waits` are returned as they are.
+    [gates under XLA]), except what follows from static shapes alone, which XLA needs as a
+    compile-time constant (a reshape's target) and passes as it is; `waits` are returned as
+    they are.
     """
     graph = tensors[0].graph
     with _tf.outside_caller_scopes(graph), graph.name_scope(scope):
         if _tf.compiled_by_xla(graph):
             with graph.device(after.op.device):
                 zero = _xla_zero_computed_from([after, *waits])
-            gated = [_minus_zero(tensor, zero) for tensor in tensors]
+            gated = [
+                tensor if kernels.computed_from_shapes(tensor) else _minus_zero(tensor, zero)
+                for tensor in tensors
+            ]
         else:
             with graph.device(after.op.device), tf.control_dependencies(waits):
                 zero = _zero_computed_from(after)
