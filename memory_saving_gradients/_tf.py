@@ -329,6 +329,11 @@ def add_control_inputs(op: tf.Operation, control_ops: Iterable[tf.Operation]) ->
         op._add_control_inputs(missing)
 
 
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Make `op` read `tensor` as its input `index`."""
+    op._update_input(index, tensor)
+
+
 def creation_index(op: tf.Operation) -> int:
     """Where `op` was created in its graph: ops made later have larger indices."""
     return op._id
