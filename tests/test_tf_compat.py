@@ -181,6 +181,16 @@ def test_add_control_inputs_skips_existing_ones():
         assert c.op.control_inputs == [a.op, b.op]
 
 
+def test_replace_input_makes_an_op_read_another_tensor():
+    with tf.Graph().as_default():
+        x, y = tf.constant(2.0), tf.constant(5.0)
+        z = tf.sin(x)
+        _tf.replace_input(z.op, 0, y)
+        assert z.op.inputs[0] is y
+        with tf1.Session() as session:
+            assert session.run(z) == pytest.approx(np.sin(5.0))
+
+
 def test_creation_index_follows_creation_order():
     with tf.Graph().as_default() as graph:
         a = tf.constant(1.0)
