@@ -115,6 +115,41 @@ def test_fit_ends_with_the_weights_of_plain_fit():
     assert not np.allclose(plain.get_weights()[0], initial[0]), "fit changed nothing"
 
 
+def test_fit_traces_the_step_on_each_batch_shape_and_plans_for_it():
+    """Keras traces fit's step on its dataset's element spec, with the batch unknown: the
+    cost model guessed every unknown size (a plain step predicted at 1.58 GiB against 75 MiB
+    measured; grouped-query attention's repeat made a predicted peak of 2**62 bytes). The
+    enabled step is traced on each batch's own shape, the last, partial one included, and
+    its plan is the plan of a step of those shapes; it trains as plain fit does."""
+    x, y = data(72)  # four batches of 16, then one of 8
+    models, batch_sizes, plans = [], [], []
+    for enabled in (False, True):
+        model = compiled(residual_mlp, enabled)
+        if enabled:
+            step = model.train_step
+
+            def train_step(batch, step=step, model=model):
+                batch_sizes.append(batch[0].shape[0])
+                result = step(batch)
+                plans.append(model.checkpoint_plan)
+                return result
+
+            model.train_step = train_step
+        model.fit(x, y["value"], batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert_same_weights(models[1], models[0])
+    assert batch_sizes == [16, 8]
+
+    @tf.function
+    def planned(images):
+        loss = models[1].compute_loss(
+            x=images, y=y["value"][:16], y_pred=models[1](images, training=True)
+        )
+        return msg.plan(loss, models[1].trainable_weights, "memory").plain_peak_bytes
+
+    assert plans[0].plain_peak_bytes == planned(tf.constant(x[:16])).numpy()
+
+
 def test_unbuilt_model_several_steps_per_execution():
     (plain, enabled), graphs = fit_both(unbuilt_sequential, epochs=1, steps_per_execution=3)
     assert_recomputes(graphs[-1])
@@ -315,7 +350,7 @@ def test_enable_measures_its_first_step_and_plans_from_it():
     largest, record = costs.largest_scratch(1)[0]
     assert "StatefulPartitionedCall_grad" in largest and record.scratch_bytes > 0
     convolutions = [n for n in costs.kernels if n.endswith("StatefulPartitionedCall")]
-    charged = costs.for_ops(n.split("/", 1)[1] for n in convolutions)
+    charged = costs.for_ops(convolutions)
     assert charged and all(m.gradient_scratch_bytes > 0 for m in charged.values())
     # The measured step trained as any other.
     assert_same_weights(measured, plain)

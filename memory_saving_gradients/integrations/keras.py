@@ -50,6 +50,7 @@ from memory_saving_gradients.api import (
     check_checkpoints,
     plan_for,
 )
+from memory_saving_gradients.integrations import keras_function
 from memory_saving_gradients.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients.integrations.tape import GradientTape
@@ -251,15 +252,21 @@ def _gradients_held(optimizer: keras.optimizers.Optimizer | None) -> bool:
 
 
 def _make_train_function(model: keras.Model, force: bool = False):
-    """Keras's `make_train_function`, logging when the step cannot save memory."""
-    if model.run_eagerly and (model.train_function is None or force):
+    """`make_train_function`: a function tracing the step on each batch's own shapes
+    (`keras_function`), or Keras's own where the model runs eagerly, which is logged as the
+    step then cannot save memory."""
+    if model.train_function is not None and not force:
+        return model.train_function
+    if model.run_eagerly:
         logger.warning(
             "Keras model %s runs eagerly (run_eagerly=True): there is no graph to rewrite, so "
             "fit computes plain gradients and saves no memory. Compile with "
             "run_eagerly=False to checkpoint.",
             model.name,
         )
-    return type(model).make_train_function(model, force)
+        return type(model).make_train_function(model, force)
+    model.train_function = keras_function.train_function(model)
+    return model.train_function
 
 
 def _measuring_train_function(checkpoints: CheckpointsArg):
@@ -276,8 +283,7 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
         # charges each gradient op to its forward op (`measured`); TensorFlow's own tape
         # names a function call's gradient after nothing it differentiates.
         model.train_step = types.MethodType(_checkpointed_train_step(_keep_nothing), model)
-        type(model).make_train_function(model, force=True)
-        plain = model.train_function
+        plain = _make_train_function(model, force=True)
 
         def first_step(data):
             logs = []
