@@ -126,10 +126,6 @@ def _working_bytes(op: tf.Operation, output_bytes: Sequence[int]) -> int:
     )
 
 
-#: Ops that reduce their first input: each reads all of it for a small output.
-REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod", "EuclideanNorm", "ArgMax", "ArgMin"})
-
-
 def flops(op: tf.Operation) -> float:
     """Floating-point operations of `op`: multiply-adds count two."""
     if not op.outputs:
@@ -158,7 +154,7 @@ def flops(op: tf.Operation) -> float:
         )
     if op.type == "Einsum":
         return 2.0 * _einsum_terms(op)
-    if op.type in REDUCTIONS and op.inputs:  # a pass over all of its input
+    if op.type in kernels.REDUCTIONS and op.inputs:  # a pass over all of its input
         return float(max(out, kernels.num_elements(op.inputs[0])))
     return float(out)
 

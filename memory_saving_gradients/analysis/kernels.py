@@ -43,12 +43,23 @@ ALIASING = frozenset(
 RESIDENT = frozenset({"Const", "ReadVariableOp", "VarHandleOp", "Placeholder"})
 
 
+#: Ops whose output has no more elements than their first input.
+REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod", "EuclideanNorm", "ArgMax", "ArgMin"})
+
+
 def num_elements(tensor: tf.Tensor) -> int:
-    """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`."""
+    """Elements in `tensor` by its static shape; unknown dimensions count `UNKNOWN_DIM_SIZE`.
+    Where its op keeps the count of its input (`ALIASING`: a reshape) or reduces it
+    (`REDUCTIONS`), no more than the input's: a reshape to a target computed from
+    `tf.shape` of a batch of unknown size (a Tile's gradient reshapes to twice its rank)
+    has every dimension unknown, and a guess for each would multiply."""
     shape = queries.static_shape(tensor)
-    if shape is None:
-        return UNKNOWN_DIM_SIZE
-    return math.prod(dimension_size(d) for d in shape)
+    guess = UNKNOWN_DIM_SIZE if shape is None else math.prod(map(dimension_size, shape))
+    op = tensor.op
+    if (shape is None or None in shape) and op.inputs and op.type in ALIASING | REDUCTIONS:
+        source = op.inputs[tensor.value_index if op.type == "IdentityN" else 0]
+        return min(guess, num_elements(source))
+    return guess
 
 
 def dimension_size(dim: int | None) -> int:

@@ -48,13 +48,19 @@ def _near_least(plans: Sequence[Plan], gain: float) -> list[Plan]:
     their order. Each is simulated only until its peak passes that bound for the least found
     before it, last first (the plans for the smallest model peaks, where the least is most
     often found)."""
-    least = math.inf
+    least: float = math.inf
     near = []
     for plan in reversed(plans):
-        if plan.peak_within(least * (1 + gain)):
+        if plan.peak_within(_above(least, gain)):
             near.append(plan)
             least = min(least, plan.peak_bytes)
-    return [plan for plan in plans if plan in near and plan.peak_bytes <= least * (1 + gain)]
+    return [plan for plan in plans if plan in near and plan.peak_bytes <= _above(least, gain)]
+
+
+def _above(least: float, gain: float) -> float:
+    """`least` raised by `gain`; exactly `least` for no gain (a peak of many bytes times 1.0
+    is a float that may round below the integer peak itself)."""
+    return least * (1 + gain) if gain else least
 
 
 def one_level_least_peak(view: ForwardView, plain: int) -> int:
