@@ -212,6 +212,11 @@ class ForwardView:
                 found.add(op)
         return frozenset(found)
 
+    def is_weight(self, tensor: tf.Tensor) -> bool:
+        """Whether `tensor` is there, or computable, before a step starts: a variable's
+        value, a constant, or an output of `weight_ops`."""
+        return _is_weight_value(tensor) or tensor.op in self.weight_ops
+
     @cached_property
     def weight_op_waits(self) -> dict[tf.Operation, tuple[tf.Operation, ...]]:
         """For each of the first `weight_ops` of a chain that one matmul or convolution past

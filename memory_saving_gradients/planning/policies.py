@@ -86,29 +86,31 @@ def collection(view: ForwardView, label: str) -> Plan:
 
 
 def speed(view: ForwardView, label: str) -> Plan:
-    """Outputs of matmuls and convolutions, saved inside segments or kept as checkpoints:
-    only cheap ops are recomputed, each once. Of two such plans, the one with the smaller
-    predicted peak:
+    """Outputs of matmuls and convolutions with weights, saved inside segments or kept as
+    checkpoints: only what is cheap to remake per byte is recomputed, each op once. Of two
+    such plans, the one with the smaller predicted peak:
 
-    - the outputs of matmuls and convolutions saved inside segments (selective
-      recomputation), and what costs as much to remake per byte (the statistics of batch
-      normalisations), with one level of cuts, the one with the least predicted peak,
-      deciding which cheap ops are recomputed together;
-    - the outputs of matmuls, convolutions and function calls running one kept as
-      checkpoints, and where a path escapes them (the skip path of a residual network),
-      the last ops of that path too, since every segment behind it would recompute it.
+    - the outputs of matmuls and convolutions with weights saved inside segments
+      (selective recomputation), and what costs as much to remake per byte (the statistics
+      of batch normalisations), with one level of cuts, the one with the least predicted
+      peak, deciding which cheap ops are recomputed together;
+    - those outputs, and those of function calls running a matmul or convolution, kept as
+      checkpoints, and where a path escapes them (the skip path of a residual network), the
+      last ops of that path too, since every segment behind it would recompute it.
 
     The first saves more where normalisations and activations hold most of the memory (conv
     nets), and is tried only where every expensive output can be saved inside a segment.
+
+    A product of two activations (attention's scores, query times key) is as cheap to remake
+    per byte as its operands are small: a transformer's scores take 2 * head_dim FLOPs an
+    element where its projections take 2 * model_dim, and grow with the square of the
+    sequence. So, as Megatron-LM's selective recomputation and JAX's
+    `dots_with_no_batch_dims_saveable` do, it is recomputed (with the softmax and dropout
+    after it) unless it costs as much per byte as the cheapest product with a weight.
     """
     expensive = _usable(
         view,
-        [
-            out
-            for op in view.ops
-            if op in view.recomputable and _is_expensive(op)
-            for out in op.outputs
-        ],
+        [out for op in _expensive_ops(view) if op in view.recomputable for out in op.outputs],
     )
     if not expensive:
         raise _nothing_kept(label, _speed_advice(view))
@@ -147,16 +149,15 @@ def _as_dense_as_contractions(
     view: ForwardView, candidates: list[tf.Tensor] | None = None
 ) -> list[tf.Tensor]:
     """What 'speed' saves: every saveable tensor costing at least as many FLOPs to remake per
-    byte as the cheapest matmul or convolution output does (those outputs, and the statistics
-    of normalisations: a full pass over a tensor for a few bytes). FLOPs even where kernel
+    byte as the cheapest output of a matmul or convolution with weights does (those outputs,
+    products of activations as dense, and the statistics of normalisations: a full pass
+    over a tensor for a few bytes). FLOPs even where kernel
     times were measured: graph optimizers fuse a convolution with what follows it, and the
     fused kernel's time is charged to the last op it absorbed. `candidates`: `_saveable`'s,
     where the caller has them."""
     candidates = _saveable(view) if candidates is None else candidates
-    densities = [view.costs[t.op].flops / view.bytes(t) for t in candidates]
-    floor = min((d for t, d in zip(candidates, densities, strict=True) if _is_expensive(t.op)),
-                default=math.inf)  # fmt: skip
-    return [t for t, d in zip(candidates, densities, strict=True) if d >= floor]
+    floor = _density_floor(view)
+    return [t for t in candidates if _density(view, t.op) >= floor]
 
 
 def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
@@ -196,7 +197,7 @@ def _speed_advice(view: ForwardView) -> str:
     """What to do where 'speed' finds nothing to keep: where the matmuls and convolutions are
     all ops never recomputed (kept anyway), which they are and why (`why_not_recomputable`:
     for a loop reading variables, how to let it be recomputed)."""
-    kept = [op for op in view.ops if op not in view.recomputable and _is_expensive(op)]
+    kept = [op for op in view.ops if op not in view.recomputable and _is_contraction(op)]
     if not kept:
         return _SPEED_ADVICE
     reason = why_not_recomputable(kept[0], frozenset(x.op for x in view.xs))
@@ -207,10 +208,47 @@ def _speed_advice(view: ForwardView) -> str:
     )
 
 
-def _is_expensive(op: tf.Operation) -> bool:
+def _is_contraction(op: tf.Operation) -> bool:
+    """A matmul or convolution, or a function call running one."""
     return op.type in EXPENSIVE_OP_TYPES or not EXPENSIVE_OP_TYPES.isdisjoint(
         _tf.called_op_types(op)
     )
+
+
+def _density(view: ForwardView, op: tf.Operation) -> float:
+    """FLOPs to remake `op`'s first output, per byte of it."""
+    return view.costs[op].flops / max(view.bytes(op.outputs[0]), 1)
+
+
+def _with_weights(view: ForwardView, op: tf.Operation) -> bool:
+    """Whether `op` reads a weight (`ForwardView.is_weight`): a projection, not a product of
+    two activations."""
+    return any(view.is_weight(t) for t in op.inputs)
+
+
+def _density_floor(view: ForwardView) -> float:
+    """The least FLOPs per byte of an output of a matmul or convolution with weights ('speed'
+    saves what costs as much to remake), or of any contraction where none reads weights."""
+    contractions = [op for op in view.ops if op.outputs and _is_contraction(op)]
+    weighted = [op for op in contractions if _with_weights(view, op)] or contractions
+    return min((_density(view, op) for op in weighted), default=math.inf)
+
+
+def _expensive_ops(view: ForwardView) -> list[tf.Operation]:
+    """The contractions 'speed' keeps: those with weights, function calls running one, and
+    products of activations as dense as the cheapest with weights."""
+    floor = _density_floor(view)
+    return [
+        op
+        for op in view.ops
+        if op.outputs
+        and _is_contraction(op)
+        and (
+            op.type not in EXPENSIVE_OP_TYPES
+            or _with_weights(view, op)
+            or _density(view, op) >= floor
+        )
+    ]
 
 
 def memory(view: ForwardView, label: str) -> Plan:
