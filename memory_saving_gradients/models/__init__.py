@@ -6,6 +6,8 @@
 - `command`: the kinds of model the `memory-saving-gradients` command measures (a tanh
   chain, ResNet, DenseNet, U-Net, transformer, keras.applications), any depth and `Shape`,
   their blocks passed through a `wrap` for the baselines.
+- `transformers`: transformers trained with Keras `fit` (an encoder, a causal decoder, and
+  keras-hub causal LMs of each family built from their constructors).
 - `common`: what more than one catalogue builds the same way (weights, batches, a loss).
 
 Each module imports TensorFlow; this one imports none, so that importing the package stays
