@@ -212,6 +212,24 @@ class ForwardView:
                 found.add(op)
         return frozenset(found)
 
+    @cached_property
+    def made_outside(self) -> tuple[tf.Tensor, ...]:
+        """Tensors the view's ops read that the step makes outside the view: a dropout's
+        mask, drawn from a seed no x leads to, or a padding mask cast from the inputs. Not
+        resident before the step and never recomputed, each is alive from the forward pass
+        until its readers' gradients have read it."""
+        found = {}
+        for op in self.ops:
+            for t in op.inputs:
+                if (
+                    t.op not in self.position
+                    and not self.is_x(t)
+                    and t.dtype not in (tf.resource, tf.variant)
+                    and _allocated_in_step(t)
+                ):
+                    found[t.ref()] = t
+        return tuple(found.values())
+
     def is_weight(self, tensor: tf.Tensor) -> bool:
         """Whether `tensor` is there, or computable, before a step starts: a variable's
         value, a constant, or an output of `weight_ops`."""
@@ -351,6 +369,15 @@ def _is_weight_value(tensor: tf.Tensor) -> bool:
     return op.type in VARIABLE_READS and any(
         t.dtype == tf.resource or t.dtype != t.dtype.base_dtype for t in op.inputs
     )
+
+
+def _allocated_in_step(tensor: tf.Tensor) -> bool:
+    """Whether `tensor` takes a buffer of its own while a step runs: its op has inputs, is no
+    variable read, and is no alias (an identity, a reshape) of what was there before."""
+    while tensor.op.type in kernels.ALIASING and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    op = tensor.op
+    return bool(op.inputs) and op.type not in kernels.RESIDENT and not _is_weight_value(tensor)
 
 
 def _only_reader_past(op: tf.Operation, chain: frozenset[tf.Operation]) -> tf.Operation | None:

@@ -25,6 +25,7 @@ def plain_peak(view: ForwardView) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read."""
     run = Simulator(view, updates_copy=True)
     ops = list(range(len(view.ops)))
+    run.made_outside()
     run.forward(run.forward_order(), (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))
     run.seed()
     run.differentiate(ops, (ORIGINAL,))
@@ -50,6 +51,7 @@ def _checkpointed(run: Simulator, schedule: Schedule) -> int:
     for step in schedule.steps:
         _add(uses, run.uses(run.positions(step.segment.originals)))
         _add(uses, run.tensor_ids(_read_from_before(step.segment)))
+    run.made_outside()
     run.forward(run.forward_order(), (ORIGINAL,), uses)
     run.seed()
     run.differentiate(last, (ORIGINAL,))

@@ -66,6 +66,14 @@ class Simulator:
             else {t: self.ids.readers[t] for t in self.tensor_ids(view.gradients_of_xs)}
         )
 
+    def made_outside(self) -> None:
+        """Hold what the step makes outside the view for the view's ops (`ForwardView.
+        made_outside`) from its start to its end: it needs nothing the view makes, so the
+        executor makes it as the step starts (a dropout's mask, from the seed the step reads),
+        and the gradients of its readers read it (a select's reads its condition)."""
+        for tensor in self.view.made_outside:
+            self.ledger.new(kernels.tensor_bytes(tensor))
+
     def seed(self) -> None:
         """The gradients of the ys: given ones, or ones graph optimizers fold into constants."""
         view = self.view
