@@ -174,8 +174,10 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="chain",
-        help="chain, resnet, densenet, unet, transformer, or a keras.applications name "
-        "such as ResNet50 or MobileNetV2 (default: chain)",
+        help="chain, resnet, densenet, unet, transformer, a keras-hub causal LM family "
+        "(gpt2, llama, gemma, mistral, qwen3, mixtral; --depth decoder blocks, --width "
+        "hidden units, --size tokens), or a keras.applications name such as ResNet50 or "
+        "MobileNetV2 (default: chain)",
     )
     parser.add_argument("--batch", type=_positive, help="batch size (default: per model)")
     parser.add_argument(
@@ -334,10 +336,12 @@ def _fit(args: argparse.Namespace) -> int:
     from memory_saving_gradients.models import command as models
 
     kind = models.kind_of(args.model)
-    if args.grow == "depth" and not kind.has_blocks:
+    if args.grow == "depth" and not kind.takes_depth:
         raise _OptionError("--grow", "keras.applications models have their own depth")
-    if args.grow == "length" and args.model != "transformer":
-        raise _OptionError("--grow", "only the transformer has a sequence length")
+    if args.grow == "length" and not kind.sequence:
+        raise _OptionError(
+            "--grow", "only the transformer and keras-hub models have a sequence length"
+        )
     depth = depths[0] if args.depth or args.grow == "depth" else depths[len(depths) // 2]
     lower = 2 if args.grow == "depth" else 1
     from memory_saving_gradients.cli import largest, largest_report, measure, runtime
@@ -359,7 +363,7 @@ def _fit(args: argparse.Namespace) -> int:
     first = {"batch": shape.batch, "depth": depth, "length": shape.size}[args.grow]
     described = (
         f"{_setting(args.model, shape, device, kind.depth_counts)}"
-        f"{f', depth {depth}' if kind.has_blocks else ''}; "
+        f"{f', depth {depth}' if kind.takes_depth else ''}; "
         f"grow {args.grow} from {first}, limit {args.limit / largest.MIB:g} MiB"
     )
     print(described)
@@ -403,7 +407,7 @@ def _model_options(
             "keras.applications name such as ResNet50",
         )
     kind = models.kind_of(args.model)
-    if depths and not kind.has_blocks:
+    if depths and not kind.takes_depth:
         raise _OptionError(depth_option, "keras.applications models have their own depth")
     depths = list(depths or kind.depths)
     shape = models.Shape(

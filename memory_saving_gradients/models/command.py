@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.models import common
+from memory_saving_gradients.models import common, transformers
 
 Block = Callable[[tf.Tensor], tf.Tensor]
 Wrap = Callable[[Block], Block]
@@ -73,7 +73,9 @@ class Model:
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """A family of models: its builder, what its depth counts, its default sizes, and
-    whether it is made of blocks (else its loss never calls `wrap`)."""
+    whether it is made of blocks (else its loss never calls `wrap`), whether it is built at the
+    depth it is given (a keras.applications model has its own), and whether its size is a
+    sequence length."""
 
     build: Callable[[int, Shape], Model]
     depth_counts: str
@@ -82,6 +84,8 @@ class Kind:
     width: int
     size: int
     has_blocks: bool = True
+    takes_depth: bool = True
+    sequence: bool = False
 
 
 def _chain(depth: int, shape: Shape) -> Model:
@@ -228,6 +232,29 @@ def _transformer(depth: int, shape: Shape) -> Model:
     return _classifier(depth, tokens, features)
 
 
+def _causal_lm(family: str) -> Callable[[int, Shape], Model]:
+    """The builder of a keras-hub causal LM of `family` (`transformers.HUB_FAMILIES`): `depth`
+    decoder blocks of `width` hidden units and `HEADS` heads over `size` tokens, trained on
+    the next token."""
+
+    def build(depth: int, shape: Shape) -> Model:
+        task = transformers.causal_lm(
+            family, depth, shape.width, HEADS, shape.size, shape.batch, batches=1
+        )
+        lm, inputs = task.model, task.x
+        assert isinstance(inputs, dict)  # a causal LM's token ids and padding mask
+        x = {name: tf.constant(value) for name, value in inputs.items()}
+        y = tf.constant(task.y)
+
+        def loss(_wrap: Wrap) -> tf.Tensor:
+            return common.cross_entropy(y, lm(x, training=True))
+
+        first = {name: value[:1] for name, value in x.items()}
+        return Model(depth, _variables_read_by(lambda: lm(first, training=True)), loss)
+
+    return build
+
+
 def application(name: str) -> Callable[[int, Shape], Model]:
     """The builder of `keras.applications.<name>` (weights=None, `size` x `size` RGB
     images); it ignores the depth it is given."""
@@ -258,13 +285,23 @@ KINDS: dict[str, Kind] = {
     "resnet": Kind(_resnet, "residual blocks", (4, 8, 16, 32), batch=8, width=16, size=32),
     "densenet": Kind(_densenet, "dense layers", (4, 8, 16), batch=8, width=12, size=32),
     "unet": Kind(_unet, "levels", (2, 3, 4), batch=4, width=8, size=64),
-    "transformer": Kind(_transformer, "encoder blocks", (2, 4, 8), batch=8, width=64, size=128),
-}
+    "transformer": Kind(
+        _transformer, "encoder blocks", (2, 4, 8), batch=8, width=64, size=128, sequence=True
+    ),
+    **{
+        family: Kind(
+            _causal_lm(family), "decoder blocks", (2, 4, 8), batch=4, width=128, size=256,
+            has_blocks=False, sequence=True,
+        )
+        for family in transformers.HUB_FAMILIES
+    },
+}  # fmt: skip
 #: Defaults for keras.applications models: one build at their own depth (the 0 is ignored),
 #: images large enough for most of them.
 APPLICATION = Kind(
-    application(""), "Keras layers", (0,), batch=4, width=0, size=96, has_blocks=False
-)
+    application(""), "Keras layers", (0,), batch=4, width=0, size=96, has_blocks=False,
+    takes_depth=False,
+)  # fmt: skip
 
 
 def application_names() -> list[str]:

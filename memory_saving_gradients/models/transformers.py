@@ -31,7 +31,7 @@ class Task:
     """
 
     model: keras.Model
-    x: object
+    x: np.ndarray | dict[str, np.ndarray]
     y: np.ndarray
     batch: int
     loss: keras.losses.Loss
