@@ -482,6 +482,18 @@ GRADIENT_ENTRY_POINTS = (
 )
 
 
+def gradient_entry_points() -> list[EntryPoint]:
+    """`GRADIENT_ENTRY_POINTS`, and `tf.compat.v1` and `tf.compat.v2` as they resolve now where
+    they are other module objects: importing some packages (keras-hub, through
+    tensorflow-text) makes `tf.compat.v2` a new module, whose `gradients` a patch of the
+    module seen at import would miss."""
+    points = list(GRADIENT_ENTRY_POINTS)
+    for now, then in ((tf.compat.v2, points[1]), (tf.compat.v1, points[2])):
+        if now is not then.module:
+            points.append(then._replace(module=now))
+    return points
+
+
 def read_profile(directory: str):
     """The `XSpace` (TensorFlow's profile protocol buffer) that `tf.profiler.experimental`
     wrote under `directory`: TensorFlow has no public reader of its own profiles."""

@@ -1,5 +1,7 @@
 """Patching routes TensorFlow's gradient entry points to checkpointed gradients, and back."""
 
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -50,6 +52,22 @@ def test_patch_routes_every_entry_point(module, attribute):
     assert getattr(module, attribute) is not None
     for point in _tf.GRADIENT_ENTRY_POINTS:
         assert getattr(point.module, point.attribute) is point.original
+
+
+def test_patch_reaches_tf_compat_v2_made_anew(monkeypatch):
+    """Importing keras-hub (through tensorflow-text) makes `tf.compat.v2` a new module object:
+    a patch of the one seen when this library was imported left its `gradients` TensorFlow's."""
+    anew = types.ModuleType("tensorflow.compat.v2")
+    anew.gradients = tf.compat.v2.gradients
+    monkeypatch.setattr(tf.compat, "v2", anew)
+    msg.patch("memory")
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, [4, 8])
+        ws, loss = deep_chain(x)
+        tf.compat.v2.gradients(loss, ws)
+        assert_recomputes(graph)
+    msg.unpatch()
+    assert anew.gradients is _tf.GRADIENT_ENTRY_POINTS[1].original
 
 
 def test_patched_functions_keep_tensorflows_positional_parameters():

@@ -256,7 +256,7 @@ def test_tensorflow_gradients_is_tensorflows_own_even_while_patched(monkeypatch)
     def broken(*args, **kwargs):
         raise AssertionError("the patched function must not be reached")
 
-    for point in _tf.GRADIENT_ENTRY_POINTS:
+    for point in _tf.gradient_entry_points():
         monkeypatch.setattr(point.module, point.attribute, broken)
     with tf.Graph().as_default():
         x = tf.constant([1.0, 2.0])

@@ -88,14 +88,14 @@ def patch(checkpoints: CheckpointsArg = "memory") -> None:
     """
     check_checkpoints(checkpoints)
     replacements = {"v1": _v1_signature(checkpoints), "v2": _v2_signature(checkpoints)}
-    for point in _tf.GRADIENT_ENTRY_POINTS:
+    for point in _tf.gradient_entry_points():
         setattr(point.module, point.attribute, replacements[point.signature])
     logger.info("Patched TensorFlow gradients with checkpoints=%r.", checkpoints)
 
 
 def unpatch() -> None:
     """Restore TensorFlow's own gradient functions."""
-    for point in _tf.GRADIENT_ENTRY_POINTS:
+    for point in _tf.gradient_entry_points():
         setattr(point.module, point.attribute, point.original)
 
 
@@ -103,7 +103,7 @@ def unpatch() -> None:
 def patched(checkpoints: CheckpointsArg = "memory") -> Iterator[None]:
     """Patch for the duration of a `with` block, then restore what was there before."""
     before = [
-        (point, getattr(point.module, point.attribute)) for point in _tf.GRADIENT_ENTRY_POINTS
+        (point, getattr(point.module, point.attribute)) for point in _tf.gradient_entry_points()
     ]
     patch(checkpoints)
     try:
