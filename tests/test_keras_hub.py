@@ -1,107 +1,21 @@
-"""keras-hub causal LMs fine-tuned with Keras `fit`, as users call it, enabled.
+"""keras-hub causal LMs under Keras `fit` (tests/keras_hub_models.py), run in a fresh
+interpreter: importing keras-hub changes TensorFlow's module objects, and its models change
+what TensorFlow's allocator holds for the memory tests after them."""
 
-Tiny models of each family people fine-tune, built from keras-hub's constructors with
-`preprocessor=None` (nothing is downloaded): GPT-2, Llama, Gemma, Mistral (sliding window)
-and Qwen3 with grouped-query attention and rotary embeddings, Mixtral's mixture of experts.
-`fit` runs on arrays, so Keras traces its step with the batch unknown. After a few AdamW
-steps the weights must equal those of Keras's own step (float32 round-off), under every
-strategy, with LoRA, under `mixed_bfloat16` and compiled by XLA.
-"""
+import re
 
-from __future__ import annotations
-
-import functools
-
-import keras
-import numpy as np
 import pytest
 
-import memory_saving_gradients as msg
-from memory_saving_gradients.models import transformers
+from tests.helpers import run_python
 
-keras_hub = pytest.importorskip("keras_hub")
-
-pytestmark = pytest.mark.tf2_only
-
-SIZES = {"layers_count": 2, "hidden": 32, "heads": 4, "length": 32, "batch": 2, "batches": 3}
+pytest.importorskip("keras_hub")
 
 
-def block_outputs(model: keras.Model):
-    """Per-block checkpoints: each decoder block's output, in one line."""
-    return msg.keras.layer_outputs(*(block.name for block in model.backbone.transformer_layers))
-
-
-def checkpoints_of(name: str, model: keras.Model):
-    if name == "blocks":
-        return block_outputs(model)
-    if name == "budget":
-        return msg.MemoryBudget(0.4)
-    return name
-
-
-@functools.cache
-def trained_weights(family: str, checkpoints: str | None, lora: bool, policy: str, xla: bool):
-    """The weights after one epoch of `fit` (plain where `checkpoints` is None)."""
-    keras.mixed_precision.set_global_policy(policy)
-    try:
-        task = transformers.causal_lm(family, lora_rank=4 if lora else None, **SIZES)
-        if checkpoints is not None:
-            msg.keras.enable(task.model, checkpoints_of(checkpoints, task.model))
-        model = task.compile(jit_compile=xla)
-        model.fit(task.x, task.y, batch_size=task.batch, epochs=1, shuffle=False, verbose=0)
-        plan = getattr(model, "checkpoint_plan", None)
-        assert checkpoints is None or plan is not None, "the enabled step was never traced"
-        return [np.asarray(w, np.float64) for w in model.get_weights()], plan
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
-def assert_trains_as_keras(
-    family, checkpoints, lora=False, policy="float32", xla=False, rtol=2e-5, atol=2e-6
-):
-    want, _ = trained_weights(family, None, lora, policy, xla)
-    have, plan = trained_weights(family, checkpoints, lora, policy, xla)
-    assert plan.pays, plan  # the rewrite, not TensorFlow's own gradients, is compared
-    assert len(want) == len(have)
-    for i, (w, h) in enumerate(zip(want, have, strict=True)):
-        np.testing.assert_allclose(h, w, rtol=rtol, atol=atol, err_msg=f"weight {i}")
-    return plan
-
-
-@pytest.mark.parametrize("family", sorted(transformers.HUB_FAMILIES))
-@pytest.mark.parametrize("checkpoints", ["speed", "memory"])
-def test_fit_trains_as_keras(family, checkpoints):
-    plan = assert_trains_as_keras(family, checkpoints)
-    assert plan.peak_bytes <= plan.plain_peak_bytes or not plan.pays
-
-
-@pytest.mark.parametrize("checkpoints", ["budget", "blocks", "balanced"])
-def test_llama_fit_trains_as_keras_with_budgets_and_block_outputs(checkpoints):
-    assert_trains_as_keras("llama", checkpoints)
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_lora_fine_tuning_trains_as_keras(family):
-    assert_trains_as_keras(family, "speed", lora=True)
-
-
-def test_mixed_bfloat16_trains_no_farther_from_float32_than_keras():
-    """In bfloat16 the order of summation moves weights: the enabled run must end no farther
-    from a float32 run than Keras's own bfloat16 run does."""
-    exact, _ = trained_weights("llama", None, False, "float32", False)
-    keras_bf16, _ = trained_weights("llama", None, False, "mixed_bfloat16", False)
-    ours, plan = trained_weights("llama", "memory", False, "mixed_bfloat16", False)
-    assert plan.pays, plan
-
-    def distance(weights):
-        return max(np.abs(w - e).max() for w, e in zip(weights, exact, strict=True))
-
-    assert distance(ours) <= 1.5 * distance(keras_bf16) + 1e-6, (
-        distance(ours),
-        distance(keras_bf16),
+def test_keras_hub_causal_lms_train_as_keras():
+    output = run_python(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/keras_hub_models.py"
     )
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_fit_compiled_by_xla_trains_as_keras(family):
-    assert_trains_as_keras(family, "memory", xla=True)
+    summary = output.strip().splitlines()[-1]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert "failed" not in summary and "error" not in summary, summary
+    assert passed >= 13, summary  # 13 when written: a collapse (everything skipped) fails

@@ -32,4 +32,4 @@ def test_a_slice_of_the_suite_passes_as_tf1_programs_run():
     summary = output.strip().splitlines()[-1]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
     assert "failed" not in summary and "error" not in summary, summary
-    assert passed >= 285, summary  # 291 when written: a collapse (everything skipped) fails
+    assert passed >= 263, summary  # 269 when written: a collapse (everything skipped) fails
