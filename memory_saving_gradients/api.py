@@ -67,8 +67,9 @@ def gradients(
     reaches it.
 
     Args:
-      ys, xs, grad_ys, name, colocate_gradients_with_ops, gate_gradients, aggregation_method,
-        stop_gradients, unconnected_gradients: as in `tf.compat.v1.gradients`.
+      ys: what to differentiate; `xs`, `grad_ys`, `name`, `colocate_gradients_with_ops`,
+        `gate_gradients`, `aggregation_method`, `stop_gradients` and `unconnected_gradients`
+        too are as in `tf.compat.v1.gradients`.
       checkpoints: the tensors to keep, or a strategy: 'collection' (the graph collection
         'checkpoints', see `add_checkpoint`), 'speed' (outputs of matmuls and convolutions),
         'memory' (cuts chosen to minimise the predicted peak memory: one level, about sqrt(2N)
