@@ -4,12 +4,14 @@
     enable(model, checkpoints="memory")
     model.fit(x, y, callbacks=[MemoryLog()])
 
-Also `msg.keras.enable` after `import memory_saving_gradients as msg`. What each does is in
-`memory_saving_gradients.integrations.keras`, where they are made.
+`largest(build, limit_bytes)` finds the largest batch or sequence of a model that trains in
+that much memory, plain and checkpointed. Also `msg.keras.enable` after
+`import memory_saving_gradients as msg`. Each is made in `memory_saving_gradients.integrations`.
 """
 
 from memory_saving_gradients.integrations.keras import enable
 from memory_saving_gradients.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients.integrations.keras_memory_log import MemoryLog
+from memory_saving_gradients.integrations.keras_sizing import Largest, largest
 
-__all__ = ["LayerOutputs", "MemoryLog", "enable", "layer_outputs"]
+__all__ = ["Largest", "LayerOutputs", "MemoryLog", "enable", "largest", "layer_outputs"]

@@ -10,14 +10,9 @@ import math
 
 import pytest
 
-from memory_saving_gradients.cli.largest import (
-    Probe,
-    Problem,
-    failure_reason,
-    search,
-    upper_bound,
-)
+from memory_saving_gradients.cli.largest import Problem, failure_reason, upper_bound
 from memory_saving_gradients.cli.main import main
+from memory_saving_gradients.sizing import Probe, search
 from tests.helpers import run_python
 
 LIMIT = "3MiB"

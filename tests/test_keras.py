@@ -492,9 +492,10 @@ def test_momentum_temporaries_are_not_held_through_the_step():
 
 def test_weight_decay_waits_for_its_gradient():
     """AdamW decays every weight before any update, reading the weight alone: Keras's plain
-    step ran every decay as it started, each a temporary of its weight's size plus a copy of
-    the weight the forward pass still read, and so did the enabled one (48 MiB against
-    Adam's 21). Each decay now waits for its weight's gradient."""
+    step runs every decay as it starts, each a temporary of its weight's size plus a copy of
+    the weight the forward pass still reads, and so did the enabled one (0.9 of plain). Each
+    decay now waits for its weight's gradient, so AdamW holds what Adam holds. Plain's own
+    peak varies by a fifth with the executor's order (40 to 50 MiB), hence the margin."""
 
     def adamw():
         return keras.optimizers.AdamW(1e-3, weight_decay=0.01)
@@ -504,5 +505,6 @@ def test_weight_decay_waits_for_its_gradient():
 
     decayed = momentum_step_peak_mib(True, adamw())
     undecayed = momentum_step_peak_mib(True, adam())
-    assert decayed < 0.6 * momentum_step_peak_mib(False, adamw())
+    plain = momentum_step_peak_mib(False, adamw())
+    assert decayed < 0.7 * plain, (decayed, plain)
     assert decayed <= undecayed + 4, (decayed, undecayed)

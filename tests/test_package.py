@@ -68,11 +68,12 @@ MAY_IMPORT = {
     "planning": {"_tf", "analysis"},
     "rewriting": {"_tf", "analysis", "planning"},
     "api": {"_tf", "analysis", "planning", "rewriting"},
-    "integrations": {"_tf", "analysis", "api", "profiling"},
+    "integrations": {"_tf", "analysis", "api", "profiling", "sizing"},
     "keras": {"integrations"},
     "_moved": set(),
     "models": set(),
     "profiling": {"_tf", "analysis"},
+    "sizing": set(),
     "_tf": set(),
 }
 
