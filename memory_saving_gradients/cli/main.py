@@ -4,6 +4,8 @@
     memory-saving-gradients bench --model resnet --depths 4 8 16 --budgets 0.25 0.5
     memory-saving-gradients explain --model ResNet50 --strategies memory balanced
     memory-saving-gradients fit --model resnet --limit 64MiB --grow batch
+    memory-saving-gradients bench --model chain --dtype mixed_bfloat16
+    memory-saving-gradients --version
 
 Tables go to stdout, progress to stderr; `demo`, `bench` and `fit` also write a CSV file and,
 with matplotlib installed (the `demo` extra), a plot.
@@ -12,6 +14,8 @@ with matplotlib installed (the `demo` extra), a plot.
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
 import re
 import sys
 import time
@@ -25,7 +29,12 @@ if TYPE_CHECKING:
 STRATEGIES = ("speed", "memory", "balanced")
 BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
 DEVICES = ("auto", "cpu", "gpu")
-DTYPES = ("float32", "mixed_float16")
+#: The Keras dtype policies every model of the command is built under (the chain follows the
+#: policy as a Keras layer does): float32, mixed precision (half-precision compute on float32
+#: variables) and half precision throughout.
+DTYPES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "float16")
+#: The distribution whose version `--version` reports.
+DISTRIBUTION = "memory_saving_gradients"
 #: The demo: the chain at its default sizes, plain against every strategy and a budget; with
 #: --quick, at these depths, batch and width.
 DEMO_QUICK = ((4, 8, 16, 32), 512, 128)
@@ -50,25 +59,68 @@ UNITS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: the process's); returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # Each subcommand reports its own errors with its own usage, those found after parsing
+    # (a model that does not exist, a size it does not take) too.
+    command: argparse.ArgumentParser = args.parser
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     from memory_saving_gradients.cli import runtime
 
     runtime.quiet()  # before anything imports TensorFlow
     try:
         return args.run(args)
     except _OptionError as error:
-        parser.error(str(error))
+        command.error(str(error))
+
+
+def version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, the
+    package's own `__version__`, marked as such."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        import memory_saving_gradients
+
+        return f"{getattr(memory_saving_gradients, '__version__', 'unknown')} (not installed)"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, as the command line writes it (lists
+    space-separated), where it has one worth showing: not None (the help says what happens
+    then), not a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        default = action.default
+        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown or 'none'})".replace("%", "%%")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memory-saving-gradients",
         description="Peak memory and step time of checkpointed gradients (TensorFlow 2).",
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {version()}",
+        help="print the installed version and exit",
+    )
+    parser.set_defaults(parser=parser)
     commands = parser.add_subparsers(required=True, metavar="{demo,bench,explain,fit}")
 
     demo = commands.add_parser(
         "demo",
+        formatter_class=_HelpFormatter,
         help="a deep tanh(matmul) chain, plain tf.gradients against every strategy",
         description="Peak activation memory and step time of a chain of tanh(matmul) layers "
         "at four depths: plain tf.gradients against the "
@@ -77,10 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quick", action="store_true", help="smaller and shallower: under a minute")
     _add_out(demo)
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=_demo, parser=demo)
 
     bench = commands.add_parser(
         "bench",
+        formatter_class=_HelpFormatter,
         help="any model, strategies and budgets, against TensorFlow's own recomputation",
         description="Peak activation memory and step time of a model at several depths, "
         "plain tf.gradients against strategies, memory budgets and TensorFlow's own "
@@ -88,7 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model(bench)
     bench.add_argument(
-        "--depths", type=_depth, nargs="+", help="depths to measure (default: per model)"
+        "--depths",
+        type=_depth,
+        nargs="+",
+        metavar="DEPTH",
+        help="depths to measure, each at least 2 (default: the model's own, such as 8 16 32 "
+        "64 layers of the chain)",
     )
     _add_methods(bench)
     bench.add_argument(
@@ -96,37 +154,47 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         choices=BASELINES,
         default=list(BASELINES),
-        help="TensorFlow's own recomputation to measure too (default: all)",
+        help="TensorFlow's own recomputation to measure too: tf.recompute_grad over groups of "
+        "blocks, grappler's memory optimizer (heuristics, or manual on the blocks' ops); "
+        "none with an empty list",
     )
     bench.add_argument(
-        "--repeats", type=_positive, default=3, help="timed steps per method and depth"
+        "--repeats",
+        type=_positive,
+        default=3,
+        help="timed steps per method and depth, taken in turns; the median is reported",
     )
     bench.add_argument(
         "--builds",
         type=_positive,
         default=2,
-        help="fresh builds per method and depth; the smallest peak is reported (TensorFlow's "
-        "executor may schedule one build's ops otherwise than another's)",
+        help="fresh builds per method and depth; the smallest peak is reported, since "
+        "TensorFlow's executor may schedule one build's ops otherwise than another's",
     )
-    bench.add_argument("--device", choices=DEVICES, default="auto", help="default: a GPU if any")
+    _add_device(bench)
     _add_out(bench)
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(run=_bench, parser=bench)
 
     explain = commands.add_parser(
         "explain",
+        formatter_class=_HelpFormatter,
         help="what each strategy keeps and its predicted peak, without running a step",
         description="Print the plan of each strategy for a model: the tensors it keeps, the "
         "predicted activation peak with and without them, and the forward compute it repeats.",
     )
     _add_model(explain)
     explain.add_argument(
-        "--depth", type=_depth, help="the model's depth (default: its smallest default)"
+        "--depth",
+        type=_depth,
+        help="the model's depth, at least 2 (default: the smallest of its own, such as 8 "
+        "layers of the chain)",
     )
     _add_methods(explain)
-    explain.set_defaults(run=_explain)
+    explain.set_defaults(run=_explain, parser=explain)
 
     fit = commands.add_parser(
         "fit",
+        formatter_class=_HelpFormatter,
         help="the largest batch, depth or sequence length whose step fits a memory limit",
         description="For each method (plain tf.gradients, strategies, budgets, "
         "tf.recompute_grad over blocks, keras.RematScope), the largest value of one size "
@@ -134,19 +202,25 @@ def _parser() -> argparse.ArgumentParser:
         "peak above resident weights and inputs), on a GPU the device given that much memory.",
     )
     _add_model(fit)
-    fit.add_argument("--limit", type=_bytes, required=True, help="memory limit, such as 2GiB")
+    fit.add_argument(
+        "--limit",
+        type=_bytes,
+        required=True,
+        help="memory limit with its unit, such as 2GiB or 500MB (required)",
+    )
     fit.add_argument(
         "--grow",
         choices=GROWABLE,
         default="batch",
-        help="the size to search: batch, depth (models made of blocks) or length (the "
-        "transformer's sequence length); default: batch",
+        help="the size to search: batch, depth (of every model but keras.applications ones) "
+        "or length (the sequence length of the transformer and keras-hub models)",
     )
     fit.add_argument(
         "--depth",
         type=_depth,
-        help="the model's depth (default: its middle default); with --grow depth, where the "
-        "search starts",
+        help="the model's depth, at least 2; with --grow depth, where the search starts "
+        "(default: the middle of its own depths, such as 32 layers of the chain; with --grow "
+        "depth, the smallest)",
     )
     _add_methods(fit)
     fit.add_argument(
@@ -154,19 +228,25 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         choices=FIT_BASELINES,
         default=list(FIT_DEFAULT_BASELINES),
-        help="TensorFlow's and Keras's own recomputation to search too (default: "
-        f"{' '.join(FIT_DEFAULT_BASELINES)})",
+        help="TensorFlow's and Keras's own recomputation to search too: tf.recompute_grad "
+        "over groups of blocks, keras.RematScope in its modes; none with an empty list",
+    )
+    fit.add_argument("--max", type=_positive, default=FIT_MAX, help="the most to grow the size to")
+    fit.add_argument(
+        "--repeats",
+        type=_positive,
+        default=2,
+        help="timed steps per probe; the median is reported",
     )
     fit.add_argument(
-        "--max", type=_positive, default=FIT_MAX, help=f"the most to grow to (default: {FIT_MAX})"
+        "--builds",
+        type=_positive,
+        default=1,
+        help="fresh builds per probe; the smallest peak is reported",
     )
-    fit.add_argument("--repeats", type=_positive, default=2, help="timed steps per probe (median)")
-    fit.add_argument(
-        "--builds", type=_positive, default=1, help="fresh builds per probe (smallest peak)"
-    )
-    fit.add_argument("--device", choices=DEVICES, default="auto", help="default: a GPU if any")
+    _add_device(fit)
     _add_out(fit)
-    fit.set_defaults(run=_fit)
+    fit.set_defaults(run=_fit, parser=fit)
     return parser
 
 
@@ -174,10 +254,11 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="chain",
+        metavar="NAME",
         help="chain, resnet, densenet, unet, transformer, a keras-hub causal LM family "
         "(gpt2, llama, gemma, mistral, qwen3, mixtral; --depth decoder blocks, --width "
         "hidden units, --size tokens), or a keras.applications name such as ResNet50 or "
-        "MobileNetV2 (default: chain)",
+        "MobileNetV2",
     )
     parser.add_argument("--batch", type=_positive, help="batch size (default: per model)")
     parser.add_argument(
@@ -189,9 +270,17 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size",
         type=_positive,
-        help="image side, or the transformer's sequence length (default: per model)",
+        help="image side, or the sequence length of the transformer and keras-hub models "
+        "(default: per model)",
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the Keras dtype policy the model is built under: mixed_bfloat16 (the one for "
+        "CPUs) and mixed_float16 (for GPUs) compute in half precision on float32 weights; "
+        "bfloat16 and float16 keep the weights in half precision too",
+    )
 
 
 def _add_methods(parser: argparse.ArgumentParser) -> None:
@@ -200,20 +289,35 @@ def _add_methods(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         choices=STRATEGIES,
         default=list(STRATEGIES),
-        help="checkpointing strategies (default: all)",
+        help="checkpointing strategies (checkpoints='speed', ...); none with an empty list",
     )
     parser.add_argument(
         "--budgets",
         type=_fraction,
         nargs="*",
+        metavar="FRACTION",
         default=[DEMO_BUDGET],
-        help=f"MemoryBudget fractions of plain's peak (default: {DEMO_BUDGET})",
+        help="memory budgets as fractions of plain backprop's predicted peak, each between 0 "
+        "and 1 (MemoryBudget(0.25)); none with an empty list",
+    )
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where steps run: auto is a GPU where TensorFlow sees one, else the CPU",
     )
 
 
 def _add_out(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out", type=Path, default=Path("results"), help="folder for the CSV file and plot"
+        "--out",
+        type=Path,
+        default=Path("results"),
+        metavar="DIR",
+        help="folder for the CSV file and plot, made if missing",
     )
 
 
@@ -336,11 +440,21 @@ def _fit(args: argparse.Namespace) -> int:
     from memory_saving_gradients.models import command as models
 
     kind = models.kind_of(args.model)
-    if args.grow == "depth" and not kind.takes_depth:
-        raise _OptionError("--grow", "keras.applications models have their own depth")
-    if args.grow == "length" and not kind.sequence:
+    growable = [
+        "batch",
+        *(["depth"] if kind.takes_depth else []),
+        *(["length"] if kind.sequence else []),
+    ]
+    if args.grow not in growable:
+        why = (
+            "keras.applications models have their own depth"
+            if args.grow == "depth"
+            else "only the transformer and keras-hub models have a sequence length"
+        )
         raise _OptionError(
-            "--grow", "only the transformer and keras-hub models have a sequence length"
+            "--grow",
+            f"cannot grow {args.grow} of model {args.model!r}: {why}; choose from "
+            f"{', '.join(growable)}",
         )
     depth = depths[0] if args.depth or args.grow == "depth" else depths[len(depths) // 2]
     lower = 2 if args.grow == "depth" else 1
@@ -348,13 +462,15 @@ def _fit(args: argparse.Namespace) -> int:
 
     upper = largest.upper_bound(args.model, args.grow, shape.size, args.max)
     if upper < lower:
-        raise _OptionError("--max", f"must be at least {lower} to grow {args.grow}")
+        raise _OptionError(
+            "--max", f"must be at least {lower} to grow {args.grow}, got {args.max}"
+        )
     _check_writable(args.out)
     runtime.warn_once()
     try:
         device = largest.start(args.device, args.limit)
     except runtime.NoGpuError as error:
-        raise _OptionError("--device", str(error)) from None
+        raise _OptionError("--device", f"gpu: {error}; choose auto or cpu") from None
     setting = measure.Setting(device, args.builds, args.repeats)
     problem = largest.Problem(
         args.model, depth, shape, args.grow, args.limit, lower, upper, device, setting
@@ -400,15 +516,22 @@ def _model_options(
     """
     from memory_saving_gradients.models import command as models
 
-    if args.model not in models.KINDS and args.model not in models.application_names():
+    applications = models.application_names()
+    if args.model not in models.KINDS and args.model not in applications:
+        close = difflib.get_close_matches(args.model, [*models.KINDS, *applications], n=3)
+        guess = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
         raise _OptionError(
             "--model",
-            f"unknown model {args.model!r}: use one of {', '.join(models.KINDS)} or a "
-            "keras.applications name such as ResNet50",
+            f"unknown model {args.model!r}{guess}: choose from {', '.join(models.KINDS)}, "
+            f"or a keras.applications name: {', '.join(applications)}",
         )
     kind = models.kind_of(args.model)
     if depths and not kind.takes_depth:
-        raise _OptionError(depth_option, "keras.applications models have their own depth")
+        raise _OptionError(
+            depth_option,
+            f"{args.model} is a keras.applications model, built at its own depth: leave "
+            f"{depth_option} out",
+        )
     depths = list(depths or kind.depths)
     shape = models.Shape(
         batch=args.batch or kind.batch,
@@ -417,13 +540,24 @@ def _model_options(
         dtype=args.dtype,
     )
     if args.model == "transformer" and shape.width % models.HEADS:
-        raise _OptionError("--width", f"the transformer's must be a multiple of {models.HEADS}")
-    if args.model == "unet" and any(shape.size % 2 ** (depth - 1) for depth in depths):
         raise _OptionError(
-            depth_option,
-            f"a U-Net of depth d halves its images d - 1 times: {shape.size} pixels (--size) "
-            "must be divisible by 2**(d - 1)",
+            "--width",
+            f"the transformer's must be a multiple of its {models.HEADS} attention heads, "
+            f"got {shape.width}",
         )
+    if args.model == "unet":
+        # Each level halves the images: depth d needs a size divisible by 2**(d - 1).
+        deepest = (shape.size & -shape.size).bit_length()
+        too_deep = [depth for depth in depths if depth > deepest]
+        if too_deep:
+            halvings = max(too_deep) - 1
+            raise _OptionError(
+                depth_option,
+                f"a U-Net of depth d halves its images d - 1 times, so --size must be "
+                f"divisible by 2**(d - 1): depth {too_deep[0]} does not fit {shape.size} "
+                f"pixels; choose {f'depths up to {deepest}' if deepest >= 2 else 'an even size'}"
+                f", or a size such as {2**halvings * max(1, shape.size // 2**halvings)}",
+            )
     return shape, depths
 
 
@@ -434,7 +568,11 @@ def _check_writable(folder: Path) -> None:
         probe.touch()
         probe.unlink()
     except OSError as error:
-        raise _OptionError("--out", f"cannot write to {folder}: {error.strerror}") from None
+        raise _OptionError(
+            "--out",
+            f"cannot write to {folder}: {error.strerror}; give a folder that can be made and "
+            "written to",
+        ) from None
 
 
 def _start(device: str) -> str:
@@ -445,7 +583,7 @@ def _start(device: str) -> str:
     try:
         return runtime.start(device)
     except runtime.NoGpuError as error:
-        raise _OptionError("--device", str(error)) from None
+        raise _OptionError("--device", f"gpu: {error}; choose auto or cpu") from None
 
 
 def _setting(model: str, shape: Shape, device: str, depth_counts: str | None = None) -> str:

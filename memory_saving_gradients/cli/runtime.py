@@ -57,9 +57,17 @@ def warn_once() -> None:
     """Show the library's warnings on stderr, each distinct message once: every fresh build of
     a step would repeat them."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setFormatter(_UserFormatter())
     handler.addFilter(_FirstTime())
     logging.getLogger("memory_saving_gradients").addHandler(handler)
+
+
+class _UserFormatter(logging.Formatter):
+    """A record as its level and message ("warning: ..."): the module that logged it is the
+    library's business, not the command's user's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
 class _FirstTime(logging.Filter):

@@ -32,7 +32,6 @@ Wrap = Callable[[Block], Block]
 CLASSES = 10
 #: Tokens of the transformer's vocabulary.
 VOCABULARY = 1000
-MIXED = "mixed_float16"
 #: Attention heads of each transformer block.
 HEADS = 4
 
@@ -45,7 +44,8 @@ def unwrapped(block: Block) -> Block:
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """The sizes every model takes: batch, layer width (units, channels or model dimension),
-    input size (image side or sequence length) and dtype ('float32' or 'mixed_float16')."""
+    input size (image side or sequence length) and dtype (a Keras dtype policy:
+    float32, mixed_bfloat16, mixed_float16, bfloat16 or float16)."""
 
     batch: int
     width: int
@@ -89,12 +89,16 @@ class Kind:
 
 
 def _chain(depth: int, shape: Shape) -> Model:
-    """tanh(matmul) layers of `width` units, the workload of the original library's demo."""
+    """tanh(matmul) layers of `width` units, the workload of the original library's demo; its
+    weights and compute take the dtypes of the Keras policy `shape.dtype`, as a layer's do."""
     rng = np.random.default_rng(0)
     width = shape.width
+    policy = keras.DTypePolicy(shape.dtype)
     weights = [common.fan_in_normal(rng, (width, width)) for _ in range(depth)]
+    if policy.variable_dtype != "float32":
+        weights = [tf.Variable(tf.cast(w, policy.variable_dtype)) for w in weights]
     x = tf.constant(rng.standard_normal((shape.batch, width)).astype("f4"))
-    compute = tf.float16 if shape.dtype == MIXED else tf.float32
+    compute = tf.as_dtype(policy.compute_dtype)
 
     def layer(w: tf.Variable) -> Block:
         return lambda h: tf.tanh(tf.matmul(h, tf.cast(w, compute)))
@@ -329,7 +333,7 @@ def build(name: str, depth: int, shape: Shape) -> Model:
 
 @contextlib.contextmanager
 def dtype_policy(dtype: str) -> Iterator[None]:
-    """Keras layers made inside take `dtype` as their policy (mixed_float16: float16
+    """Keras layers made inside take `dtype` as their policy (mixed_bfloat16: bfloat16
     compute, float32 variables)."""
     before = keras.config.dtype_policy()
     keras.config.set_dtype_policy(dtype)
