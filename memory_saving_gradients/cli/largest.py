@@ -160,8 +160,8 @@ def _inapplicable(model: str, contender: Contender) -> str:
     """Why `contender` does not apply to `model`; "" where it does."""
     if contender.remat and model in WITHOUT_KERAS_LAYERS:
         return f"does not apply: the {model} has no Keras layers"
-    if contender.method.needs_blocks and not models.kind_of(model).has_blocks:
-        return f"does not apply: {model} is not made of blocks"
+    if not contender.method.applies_to(models.kind_of(model)):
+        return f"does not apply: {model} is not made of such blocks"
     return ""
 
 

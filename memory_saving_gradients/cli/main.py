@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("speed", "memory", "balanced")
 BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
+#: What `bench --baselines` may name besides: per-block checkpoints (keras-hub causal LMs).
+BENCH_BASELINES = (*BASELINES, "blocks")
 DEVICES = ("auto", "cpu", "gpu")
 #: The Keras dtype policies every model of the command is built under (the chain follows the
 #: policy as a Keras layer does): float32, mixed precision (half-precision compute on float32
@@ -41,8 +43,9 @@ DEMO_QUICK = ((4, 8, 16, 32), 512, 128)
 DEMO_BUDGET = 0.25
 DEMO_REPEATS = 5
 DEMO_BUILDS = 2
-#: What `fit --baselines` may name: tf.recompute_grad over blocks, keras.RematScope modes.
-FIT_BASELINES = ("recompute_grad", "remat-full", "remat-activations", "remat-larger")
+#: What `fit --baselines` may name: tf.recompute_grad over blocks, keras.RematScope modes,
+#: per-block checkpoints.
+FIT_BASELINES = ("recompute_grad", "remat-full", "remat-activations", "remat-larger", "blocks")
 FIT_DEFAULT_BASELINES = ("recompute_grad", "remat-full", "remat-activations")
 #: The sizes `fit` can grow: every model's batch, the depth of models made of blocks, the
 #: transformer's sequence length.
@@ -152,11 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--baselines",
         nargs="*",
-        choices=BASELINES,
+        choices=BENCH_BASELINES,
         default=list(BASELINES),
         help="TensorFlow's own recomputation to measure too: tf.recompute_grad over groups of "
         "blocks, grappler's memory optimizer (heuristics, or manual on the blocks' ops); "
-        "none with an empty list",
+        "blocks: checkpoints at every decoder block's output (keras-hub causal LMs); none "
+        "with an empty list",
     )
     bench.add_argument(
         "--repeats",
@@ -229,7 +233,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=FIT_BASELINES,
         default=list(FIT_DEFAULT_BASELINES),
         help="TensorFlow's and Keras's own recomputation to search too: tf.recompute_grad "
-        "over groups of blocks, keras.RematScope in its modes; none with an empty list",
+        "over groups of blocks, keras.RematScope in its modes; blocks: checkpoints at every "
+        "decoder block's output (keras-hub causal LMs); none with an empty list",
     )
     fit.add_argument("--max", type=_positive, default=FIT_MAX, help="the most to grow the size to")
     fit.add_argument(

@@ -41,6 +41,8 @@ class Method:
       name: as tables show it.
       checkpoints: this library's `checkpoints` argument; None for `tf.gradients`.
       recompute_blocks: wrap every group of blocks in `tf.recompute_grad`.
+      checkpoint_block_layers: keep the output of every block that is a Keras layer
+        (`msg.keras.layer_outputs` of them), recomputing each block from its input.
       grappler: grappler's memory optimization mode ('RECOMPUTATION_HEURISTICS', 'MANUAL',
         or its default); the step then runs in a Session (MANUAL: recomputing the ops inside
         blocks).
@@ -50,12 +52,19 @@ class Method:
     name: str
     checkpoints: object = None
     recompute_blocks: bool = False
+    checkpoint_block_layers: bool = False
     grappler: str | None = None
     reference: str = "plain"
 
     @property
     def needs_blocks(self) -> bool:
         return self.recompute_blocks or self.grappler == "MANUAL"
+
+    def applies_to(self, kind: models.Kind) -> bool:
+        """Whether `kind`'s models have the blocks this method needs."""
+        if self.checkpoint_block_layers:
+            return kind.has_block_layers
+        return kind.has_blocks or not self.needs_blocks
 
 
 PLAIN = Method("plain")
@@ -64,6 +73,7 @@ PLAIN = Method("plain")
 SESSION_PLAIN = Method("plain, Session", grappler="DEFAULT_MEM_OPT")
 BASELINES = {
     "recompute_grad": Method("tf.recompute_grad", recompute_blocks=True),
+    "blocks": Method("per-block checkpoints", checkpoint_block_layers=True),
     "grappler-heuristics": Method(
         "grappler heuristics", grappler="RECOMPUTATION_HEURISTICS", reference=SESSION_PLAIN.name
     ),
@@ -144,7 +154,10 @@ class _Step:
 class _FunctionStep(_Step):
     def __init__(self, model: models.Model, method: Method) -> None:
         wrap = tf.recompute_grad if method.recompute_blocks else models.unwrapped
-        function = tf.function(lambda: _train(model, wrap, method.checkpoints))
+        checkpoints = method.checkpoints
+        if method.checkpoint_block_layers:
+            checkpoints = msg.keras.layer_outputs(*model.block_layers)
+        function = tf.function(lambda: _train(model, wrap, checkpoints))
         self.depth = model.depth
         start = time.perf_counter()
         function.get_concrete_function()
@@ -243,10 +256,10 @@ def sweep(
 ) -> list[Point]:
     """Every method of `chosen` that applies to model `name`, at every depth; `progress`
     hears one line per point."""
-    applicable = [m for m in chosen if not m.needs_blocks or models.kind_of(name).has_blocks]
+    applicable = [m for m in chosen if m.applies_to(models.kind_of(name))]
     for method in chosen:
         if method not in applicable:
-            progress(f"{method.name}: does not apply ({name} is not made of blocks)")
+            progress(f"{method.name}: does not apply ({name} is not made of such blocks)")
     points: list[Point] = []
     total = len(depths) * len(applicable)
     for depth in depths:

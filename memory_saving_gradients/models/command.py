@@ -63,19 +63,22 @@ class Model:
       variables: the variables gradients are taken for.
       loss: `loss(wrap)` builds the forward pass, each block passed through `wrap`, and
         returns the float32 scalar loss.
+      block_layers: the names of the Keras layers that are its blocks, where each block is
+        one (a keras-hub backbone's decoder blocks): what per-block checkpoints keep.
     """
 
     depth: int
     variables: Sequence[tf.Variable]
     loss: Callable[[Wrap], tf.Tensor]
+    block_layers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """A family of models: its builder, what its depth counts, its default sizes, and
-    whether it is made of blocks (else its loss never calls `wrap`), whether it is built at the
-    depth it is given (a keras.applications model has its own), and whether its size is a
-    sequence length."""
+    whether it is made of blocks (else its loss never calls `wrap`), whether its blocks are
+    Keras layers (`Model.block_layers`), whether it is built at the depth it is given (a
+    keras.applications model has its own), and whether its size is a sequence length."""
 
     build: Callable[[int, Shape], Model]
     depth_counts: str
@@ -84,6 +87,7 @@ class Kind:
     width: int
     size: int
     has_blocks: bool = True
+    has_block_layers: bool = False
     takes_depth: bool = True
     sequence: bool = False
 
@@ -254,7 +258,9 @@ def _causal_lm(family: str) -> Callable[[int, Shape], Model]:
             return common.cross_entropy(y, lm(x, training=True))
 
         first = {name: value[:1] for name, value in x.items()}
-        return Model(depth, _variables_read_by(lambda: lm(first, training=True)), loss)
+        variables = _variables_read_by(lambda: lm(first, training=True))
+        blocks = tuple(layer.name for layer in lm.backbone.transformer_layers)
+        return Model(depth, variables, loss, blocks)
 
     return build
 
@@ -295,7 +301,7 @@ KINDS: dict[str, Kind] = {
     **{
         family: Kind(
             _causal_lm(family), "decoder blocks", (2, 4, 8), batch=4, width=128, size=256,
-            has_blocks=False, sequence=True,
+            has_blocks=False, has_block_layers=True, sequence=True,
         )
         for family in transformers.HUB_FAMILIES
     },
