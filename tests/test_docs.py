@@ -176,6 +176,14 @@ def test_layout_lists_every_module():
     assert missing == []
 
 
+def test_readme_links_resolve():
+    """README is read on GitHub, outside the site: its relative links name files that exist."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative, "README links to the docs"
+    assert [link for link in relative if not (ROOT / link).exists()] == []
+
+
 def test_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
