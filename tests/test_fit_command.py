@@ -168,8 +168,8 @@ def test_fit_grows_a_keras_hub_causal_lms_sequence(tmp_path):
     stdout = run_python(
         "-m", "memory_saving_gradients", "fit", "--model", "gpt2", "--depth", "2", "--width",
         "64", "--batch", "2", "--size", "64", "--grow", "length", "--limit", "8MiB",
-        "--strategies", "--budgets", "--baselines", "blocks", "--device", "cpu", "--out",
-        str(tmp_path),
+        "--strategies", "--budgets", "--baselines", "blocks", "--repeats", "1", "--device",
+        "cpu", "--out", str(tmp_path),
     )  # fmt: skip
     rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line[:1] == "p"}
     assert "largest length" in stdout

@@ -340,10 +340,10 @@ def test_dual_chain_of_the_original_library_holds_less_than_plain():
     plain holds one chain at a time. The step recomputing a[1] waited for b's gradients too,
     so a's checkpoint and gradient stayed alive through b's forward pass: 6.3 MB against
     plain's 5.1 (NOTE [gates])."""
-    plain = dual_chain_peak_mb(False)
     # Each Session's executor times kernels to decide which ready ops run inline: now and
-    # then it runs both forward chains before the seed of backprop (7.3 MB, as plain would
-    # in that order), so the least of three Sessions.
+    # then it runs both forward chains before the seed of backprop (7.3 MB checkpointed,
+    # 5.8 plain, on loaded cores), so the least of three Sessions, for both.
+    plain = min(dual_chain_peak_mb(False) for _ in range(3))
     checkpointed = min(dual_chain_peak_mb(True) for _ in range(3))
     assert plain == pytest.approx(5, abs=SLACK_MB)
     assert checkpointed <= plain - 1 + SLACK_MB
