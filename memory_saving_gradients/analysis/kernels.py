@@ -107,12 +107,11 @@ def working_bytes(
     outputs, given the dtype and bytes of each input, the bytes of each output, and whether a
     BiasAdd alone reads its output. Where oneDNN does not compute in float16 on this CPU
     (`float16_matmuls_native`), a float16 matmul computes in float32: it holds a float32 copy
-    of each operand and of its result (measured on TensorFlow 2.21: a [2048, 512] by
-    [512, 1024] MatMul holds 14 MiB beside its 4 MiB output). bfloat16 runs natively in
-    oneDNN, but on a CPU without AMX a MatMul fused with the BiasAdd after it (grappler's
-    remapper) holds its result in float32 (measured on one without AMX; on a Sapphire Rapids,
-    with it, the same fused MatMul holds nothing more). Other kernels' scratch space is not
-    counted: float16 convolution gradients on CPU hold some 25-32 MiB, whatever their shapes."""
+    of each operand and of its result. bfloat16 runs natively in oneDNN, but on a CPU without
+    AMX a MatMul fused with the BiasAdd after it (grappler's remapper) holds its result in
+    float32 (with AMX it holds nothing more). Other kernels' scratch space is not counted
+    here (float16 convolution gradients on CPU hold scratch whatever their shapes): measured
+    costs (`measured.py`) see it."""
     if op_type not in MATMULS or not inputs:
         return 0
     if inputs[0][0] == tf.float16 and not float16_matmuls_native():

@@ -76,8 +76,7 @@ class OpMeasurement:
     def gradient_scratch_at_once(self, threads: int) -> int:
         """The most scratch its gradient's kernels hold together on an executor running
         `threads` kernels at once: a convolution's input and filter gradients are ready
-        together, and two threads run them side by side (MobileNetV2 in float16 on CPU:
-        27 and 39 MiB at once)."""
+        together, and two threads run them side by side."""
         return sum(self.gradient_kernel_scratch[:threads])
 
 

@@ -348,16 +348,15 @@ class ForwardView:
 
 # NOTE [weight ops wait for their readers]: an op computed from variables alone, such as
 # the half-precision copy of a kernel Keras casts under a mixed-precision policy, is ready
-# as soon as a step starts, and TensorFlow's executor runs every ready op: each copy is then
-# alive from the start until its reader runs. In ResNet50 under mixed_bfloat16 (96x96, batch
-# 16) that held all 51 MiB of kernel copies while the first blocks ran: 'memory' measured
-# 75.8 MiB of live tensors where 53.0 were predicted, and each step recomputing a segment
-# did the same at its gate. So the rewrite makes the first op of each chain a matmul or
-# convolution reads wait (a control dependency) for the ops one before its reader: for what
-# the ops making the reader's other inputs read. Not for those ops themselves, which graph
+# as soon as a step starts, and TensorFlow's executor runs every ready op: every kernel copy
+# of a mixed-precision model is then held while its first blocks run, and each step
+# recomputing a segment does the same at its gate (tests/test_memory.py, the kernel-cast
+# tests). So the rewrite makes the first op of each chain a matmul or convolution reads wait
+# (a control dependency) for the ops one before its reader: for what the ops making the
+# reader's other inputs read. Not for those ops themselves, which graph
 # optimizers may merge into the reader (oneDNN folds a Pad into the convolution reading it):
 # the merged op would inherit the dependency and wait for its own input (a cycle). It waits
-# in the forward pass where that runs in a function (53.8 MiB), and in every recomputed copy.
+# in the forward pass where that runs in a function, and in every recomputed copy.
 # A tf.compat.v1 graph's forward ops are left as they are, as a Session that has run them
 # ignores changes to them (and warns); the simulator runs them first there. Chains read by
 # several ops, and small weights read by other ops (biases, scales), are left free.

@@ -137,15 +137,15 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg, costs: MeasuredCosts |
 # from the old state alone: SGD's momentum times the velocity, RMSprop's rho times its mean
 # square. Nothing in the graph makes those ops wait for the gradient, so the executor runs them
 # as soon as the step starts, and each holds a buffer the size of its variable until the
-# gradient arrives at the end of backprop: every variable's worth at the peak (ResNet50 with
-# SGD momentum: 98 MiB of temporaries on top of 270 MiB of activations). Each variable's update
+# gradient arrives at the end of backprop: every variable's worth at the peak
+# (tests/test_keras.py, momentum's temporaries). Each variable's update
 # step is therefore traced under a control dependency on the gradient as backprop made it
 # (Keras passes it on through the all-reduce of its distribution strategy, an IdentityN of
 # every gradient: a control dependency on that would make every update wait for the last).
 # Decoupled weight decay (AdamW) reads only the variable: left free, every variable's decay
 # ran as the step started, each making a temporary of its variable's size and, as the
-# forward pass still read the variable, a copy of it (eight Dense(1024) layers: 49 MiB
-# against Adam's 21). It waits for the variable's gradient too.
+# forward pass still read the variable, a copy of it. It waits for the variable's gradient
+# too (tests/test_keras.py, weight decay).
 @contextlib.contextmanager
 def _updates_after_gradients(
     optimizer: keras.optimizers.Optimizer,
@@ -214,8 +214,8 @@ def _decay_after_gradients(apply_weight_decay, made: dict[int, tf.Tensor]):
 # (momentum * velocity, rate * gradient, their difference, its assignment to the velocity,
 # its addition to the variable), each result a buffer the size of the variable. The executor
 # runs the first as soon as the gradient exists, then may run backprop's next ops first, so
-# the updates begun wait half done, each holding its buffers (ResNet50 96x96, batch 16,
-# 'speed': 30 MiB, 181-206 MiB against 153-163). TensorFlow's ResourceApplyKerasMomentum is
+# the updates begun wait half done, each holding its buffers. TensorFlow's
+# ResourceApplyKerasMomentum is
 # the same update, defined by Keras's formula (velocity = momentum * velocity - rate *
 # gradient; variable += velocity, or += momentum * velocity - rate * gradient with
 # Nesterov), in one kernel that writes both variables in place.

@@ -75,7 +75,7 @@ def budget_headroom(view: ForwardView) -> int:
     """What a budget keeps free beside the predicted peak: the largest tensor a recomputed op
     makes. TensorFlow's executor may order ready ops so that one more tensor is alive than
     the cost model's order has, and its allocator hands a request a free block of up to twice
-    its size whole (128-layer chain, MemoryBudget(0.1): predicted 26 MiB, measured 28)."""
+    its size whole."""
     return max(
         (view.bytes(t) for op in view.ops if op in view.recomputable for t in op.outputs),
         default=0,

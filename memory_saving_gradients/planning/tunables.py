@@ -17,8 +17,8 @@ TIE_BREAK = -1e-3
 #: where backprop does not hold the tensor), so that of equal cuts it takes the BiasAdd's
 #: output: a cut before the BiasAdd splits what oneDNN fuses, the product with its bias add,
 #: and the filter gradient with the bias gradient. TensorFlow's CPU kernel for a
-#: half-precision bias gradient alone sums in half precision: a residual block's bias
-#: gradient under mixed_bfloat16 was 0.125 where the fused kernel gives 0.361.
+#: half-precision bias gradient alone sums in half precision, far from the fused kernel's
+#: float32 sum (tests/test_parity.py, bias gradients under mixed_bfloat16).
 FUSION_SPLIT = 2
 #: Levels of recomputation nested inside the top level, at most.
 MAX_NESTING = 3
@@ -32,8 +32,8 @@ BUDGET_BISECTIONS = 6
 #: Model peaks tried between one level's least and the least any cuts allow, bisected.
 LEAST_PEAK_BISECTIONS = 6
 #: One level's cuts are also tried for these multiples of its least model peak: the
-#: simulated peak does not rise steadily with the model's (zoo Inception: 0.68 of plain at
-#: 1.5 times the least, 0.71 at the least).
+#: simulated peak does not rise steadily with the model's (an Inception block's is lower
+#: at 1.5 times the least than at the least).
 ONE_LEVEL_SCALES = (1.1, 1.25, 1.5)
 #: 'memory' takes the plan recomputing least among those whose predicted peak is within this
 #: fraction of the least: a level of nesting costs about one more forward pass.
@@ -42,9 +42,8 @@ NESTING_GAIN = 0.03
 # Selective recomputation (`policies`: what budgets may save inside segments).
 
 #: Shares of the bytes 'speed' saves that budgets also try saving alone, earliest in the
-#: forward pass first: each is one more set of plans to search (residual CNN of 56 blocks,
-#: MemoryBudget(0.4): the plan recomputing least saves the first half, and recomputes 0.40 of
-#: the forward pass's FLOPs where saving all or nothing recomputes 0.63).
+#: forward pass first: each is one more set of plans to search (on a residual CNN a budget's
+#: plan recomputing least saves the first half: saving all or nothing recomputes more).
 SAVED_PREFIXES = (0.25, 0.5, 0.75)
 #: Shares of the saveable tensors' bytes that budgets try to save, densest compute per byte
 #: first: each share is one more set of plans to search, the plan recomputing least winning.

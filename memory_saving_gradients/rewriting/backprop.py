@@ -81,7 +81,7 @@ class _Part:
 # arrive (`ForwardView.forward_before_gradients`): backprop from a loss seeded with constants
 # reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
 # step's boundaries through that forward pass, as plain backprop does not (the original
-# library's dual chain: 6.3 MB against plain's 5.1). A later gate waits for them.
+# library's dual chain, tests/test_memory.py). A later gate waits for them.
 #
 # Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
 # BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
@@ -380,7 +380,7 @@ def _run(
 # copies. A `tf.custom_gradient` function instead closes over the forward tensors it was
 # called with (`tf.nn.silu`, Keras's `silu` and `swish`): differentiating its copy builds
 # ops reading the original tensors, which then stay alive from the forward pass until that
-# gradient runs (sixteen silu layers under 'memory': 86 MiB measured against 37 predicted).
+# gradient runs (a chain of silu layers, tests/test_memory.py).
 # So the ops each gradient call makes are rerouted from forward tensors of the view to what
 # stands for them at that point: the step's copies, the gates passing its boundaries on.
 
@@ -392,10 +392,11 @@ def _run(
 # on that order: common subgraph elimination sorts the inputs of commutative ops by name, and
 # constant push-down then moves a constant onto the second. In the gradient of a scaled
 # softmax, `(g - sum) * softmax * scale`, it pairs the scale with the incoming gradient under
-# `tf.gradients`, and paired it with the softmax where copies were named `gradients/recompute_1/`
-# and their gradients `gradients/segment_2/`: `softmax * scale` then ran as soon as the softmax
-# was recomputed and held 8 MiB until the gradient arrived (command transformer, 'memory':
-# 37.5 MiB measured against 28.6 predicted; 29.5 with the gradients under the copies' scope).
+# `tf.gradients`; were copies and their gradients named under unrelated scopes, it would pair
+# the scale with the softmax, and `softmax * scale` would run as soon as the softmax is
+# recomputed and hold an attention-sized buffer until the gradient arrives
+# (tests/test_gradients.py checks the scaled softmax's gradient is built as tf.gradients has
+# it).
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its

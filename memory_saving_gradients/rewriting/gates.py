@@ -66,7 +66,7 @@ def gate(
 # included. It fuses into elementwise readers; before a matmul it is a copy, which also orders
 # the reads of a variable before its update, so XLA can update it in place. The `exp` keeps XLA
 # from duplicating `zero` into each reader, which would re-read the waited-for parts and keep
-# them alive (Keras, 24 Dense layers: XLA's temporary buffer 28 MiB without it, 22 with it).
+# them alive in XLA's temporary buffer (tests/test_xla.py measures the savings kept).
 
 
 def _zero_computed_from(tensor: tf.Tensor) -> tf.Tensor:

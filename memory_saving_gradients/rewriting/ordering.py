@@ -24,12 +24,11 @@ from memory_saving_gradients.analysis import kernels
 # measured nothing: where another gradient holds the activation anyway (a ReLU's reads its
 # output), the filter gradient is smaller than the data gradient, and the data gradient's
 # reader waits for nothing else (not a sum with other branches' gradients, which holds it
-# the longer the earlier it runs: an Inception block's 'speed' peak 2 MiB higher). A
-# residual CNN's 'speed' step took 1.18x plain's with every weight gradient first and
-# 1.04-1.07x so, at the same peak. Matrix products keep the order: left free on the demo's
-# chain of 256-wide tanh layers, their weight gradients fell behind the data gradients'
-# chain, each holding its activation ('memory' at depth 32: 17.2 MiB against 14.2), and on
-# a chain of 1024-wide ones a gradient more.
+# the longer the earlier it runs). Serializing every convolution's filter gradient costs
+# time at the same peak (benchmarks/fit_frontier.py times the residual CNN's 'speed').
+# Matrix products keep the order: left free, their weight gradients fall behind the data
+# gradients' chain, each holding its activation (tests/test_memory.py, the
+# weight-gradients-first tests).
 def weight_gradients_first(
     part_ops: Collection[tf.Operation], made: Sequence[tf.Operation]
 ) -> None:

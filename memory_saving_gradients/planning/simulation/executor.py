@@ -5,9 +5,8 @@ With more, every gradient kernel whose incoming gradients are complete is ready:
 that finishes one goes on with a kernel that one made ready (the executor runs the last of
 them inline), and the others queue for the next free thread. So the gradients of independent
 branches (the gradients of two branches meeting in an add) run side by side, each holding
-what it made and what it reads until it finishes. Measured in Sessions: two branches each
-differentiating a matmul hold 1 MB more on two threads than on one, 6.3 MB against 5.3, as
-predicted (tests/test_simulation.py).
+what it made and what it reads until it finishes: more at once on two threads than on one,
+as tests/test_simulation.py measures in Sessions.
 
 An op's gradient is one or more kernels that run apart (a convolution's input gradient and
 its filter gradient): the gradient of what the op read goes on as soon as the kernel making

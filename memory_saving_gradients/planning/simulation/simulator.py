@@ -51,8 +51,7 @@ class Simulator:
         self.xla = _tf.compiled_by_xla(view.ys[0].graph) if view.ys else False
         #: Threads running the step's ops: with more than one, ready gradients run side by
         #: side (`executor`), and so do the kernels of one gradient. XLA runs its compiled
-        #: schedule one op at a time (two branches' matmul gradients: 6.2 MB measured, the
-        #: one-thread order's 6).
+        #: schedule one op at a time, as the one-thread order has it.
         self.threads = 1 if self.xla else kernels.inter_op_threads()
         #: Gradient parts received for each tensor, not summed yet.
         self.parts: dict[int, list[Buffer]] = {}
