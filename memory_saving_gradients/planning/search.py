@@ -243,11 +243,15 @@ def _least_peak_candidates(
     view: ForwardView, order: cut_search.Order, label: str, plain: int
 ) -> list[tuple[Plan, float]]:
     """Plans whose predicted peaks may be the least, each with the forward compute it repeats:
-    one level's cuts for its least model peak and a few larger ones, and the distinct nested
-    plans for ever smaller model peaks (bisected). The simulated peak does not fall steadily
-    with the model's, so each is simulated."""
+    one level's cuts for its least model peak and a few larger ones, the distinct nested
+    plans for ever smaller model peaks (bisected), and for model peaks spread between the
+    least and one level's (`tunables.LEAST_PEAK_SHARES`). The simulated peak does not fall
+    steadily with the model's, so each is simulated."""
     found, high = _one_level_candidates(order)
     low = order.least_peak()
+    for share in tunables.LEAST_PEAK_SHARES:
+        if (cuts := cut_search.within(order, low + share * (high - low))) is not None:
+            found[cuts] = None
     for _ in range(tunables.LEAST_PEAK_BISECTIONS):
         middle = (low + high) / 2
         cuts = cut_search.within(order, middle)

@@ -31,6 +31,11 @@ NESTING_SCALES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 BUDGET_BISECTIONS = 6
 #: Model peaks tried between one level's least and the least any cuts allow, bisected.
 LEAST_PEAK_BISECTIONS = 6
+#: Model peaks also tried at these shares of the way from the least any cuts allow to one
+#: level's least: bisection tries shares of a half and below, and nested plans for larger
+#: model peaks, nesting less, may simulate lower (a residual CNN's plan at seven eighths held
+#: a tenth less and recomputed a fifth less than any bisected one).
+LEAST_PEAK_SHARES = (0.625, 0.75, 0.875)
 #: One level's cuts are also tried for these multiples of its least model peak: the
 #: simulated peak does not rise steadily with the model's (an Inception block's is lower
 #: at 1.5 times the least than at the least).
