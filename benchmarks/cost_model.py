@@ -40,7 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command as models
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 
 tf1 = tf.compat.v1
@@ -55,7 +55,7 @@ GROWN_MIB = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A model of `memory_saving_gradients.models.command` at one depth and shape."""
+    """A model of `memory_saving_gradients._src.models.command` at one depth and shape."""
 
     model: str
     depth: int

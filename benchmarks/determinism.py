@@ -1,5 +1,5 @@
-"""How far a step's peak memory can be counted on, on the model zoo (models/zoo.py), and whether
-'memory' needs the least of every strategy and budget.
+"""How far a step's peak memory can be counted on, on the model zoo (_src/models/zoo.py), and
+whether 'memory' needs the least of every strategy and budget.
 
 For each model, plain `tf.gradients`, 'speed', 'memory', 'balanced', `MemoryBudget(0.25)` and
 `MemoryBudget(0.5)` each compute the gradients of the model's training loss inside a
@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
+from memory_saving_gradients._src.models import zoo
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 tf.get_logger().setLevel("ERROR")  # retracing notices: every step here is traced once

@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command
+from memory_saving_gradients._src.models import command
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MiB = 2**20

@@ -21,23 +21,23 @@ from memory_saving_gradients import _moved
 #: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
 #: the first use of a name does, so a command can quiet TensorFlow before it starts.
 _PUBLIC = {
-    "CHECKPOINTS_COLLECTION": "planning.policies",
-    "ForwardView": "analysis.view",
-    "GradientTape": "integrations.tape",
-    "MeasuredCosts": "analysis.measured",
-    "MemoryBudget": "planning.policies",
-    "NoCheckpointsError": "planning.policies",
-    "Plan": "planning.plans",
-    "add_checkpoint": "planning.policies",
-    "gradients": "api",
-    "gradients_collection": "api",
-    "gradients_memory": "api",
-    "gradients_speed": "api",
+    "CHECKPOINTS_COLLECTION": "_src.planning.policies",
+    "ForwardView": "_src.analysis.view",
+    "GradientTape": "_src.integrations.tape",
+    "MeasuredCosts": "_src.analysis.measured",
+    "MemoryBudget": "_src.planning.policies",
+    "NoCheckpointsError": "_src.planning.policies",
+    "Plan": "_src.planning.plans",
+    "add_checkpoint": "_src.planning.policies",
+    "gradients": "_src.api",
+    "gradients_collection": "_src.api",
+    "gradients_memory": "_src.api",
+    "gradients_speed": "_src.api",
     "measure_costs": "profiling",
-    "patch": "integrations.patching",
-    "patched": "integrations.patching",
-    "plan": "api",
-    "unpatch": "integrations.patching",
+    "patch": "_src.integrations.patching",
+    "patched": "_src.integrations.patching",
+    "plan": "_src.api",
+    "unpatch": "_src.integrations.patching",
 }
 #: Public modules, by the name the package gives them.
 _MODULES = {"keras": "keras", "profiling": "profiling"}
@@ -46,19 +46,19 @@ _moved.install()
 
 if TYPE_CHECKING:
     from memory_saving_gradients import keras, profiling
-    from memory_saving_gradients.analysis.measured import MeasuredCosts
-    from memory_saving_gradients.analysis.view import ForwardView
-    from memory_saving_gradients.api import (
+    from memory_saving_gradients._src.analysis.measured import MeasuredCosts
+    from memory_saving_gradients._src.analysis.view import ForwardView
+    from memory_saving_gradients._src.api import (
         gradients,
         gradients_collection,
         gradients_memory,
         gradients_speed,
         plan,
     )
-    from memory_saving_gradients.integrations.patching import patch, patched, unpatch
-    from memory_saving_gradients.integrations.tape import GradientTape
-    from memory_saving_gradients.planning.plans import Plan
-    from memory_saving_gradients.planning.policies import (
+    from memory_saving_gradients._src.integrations.patching import patch, patched, unpatch
+    from memory_saving_gradients._src.integrations.tape import GradientTape
+    from memory_saving_gradients._src.planning.plans import Plan
+    from memory_saving_gradients._src.planning.policies import (
         CHECKPOINTS_COLLECTION,
         MemoryBudget,
         NoCheckpointsError,

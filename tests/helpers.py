@@ -13,8 +13,8 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models.graphs import Model
-from memory_saving_gradients.planning import cut_search
+from memory_saving_gradients._src.models.graphs import Model
+from memory_saving_gradients._src.planning import cut_search
 
 tf1 = tf.compat.v1
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
+from memory_saving_gradients._src import _tf
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,

@@ -28,8 +28,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs, gradient_uses, kernels
-from memory_saving_gradients.models import command as models
+from memory_saving_gradients._src.analysis import costs, gradient_uses, kernels
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import run_python
 from tests.test_memory import SLACK_MB, chain
@@ -60,7 +60,7 @@ CHAINS = {
     "residual nested 16": (16, True, _nested([6, 11, 15], [3, 9, 14], [13])),
     "nested 30": (30, False, _nested([11, 21], [6, 16, 26], [4, 14, 24])),
 }
-#: Models of the command (`models/command.py`) at sizes whose tensors are 256 KiB or more.
+#: Models of the command (`_src/models/command.py`) at sizes whose tensors are 256 KiB or more.
 FAMILIES = {
     "resnet": (3, models.Shape(batch=8, width=16, size=32)),
     "densenet": (4, models.Shape(batch=8, width=12, size=32)),

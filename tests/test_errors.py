@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.planning import search
+from memory_saving_gradients._src.planning import search
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.integrations.keras import _fused_momentum_step, _gradients_held
+from memory_saving_gradients._src.integrations.keras import _fused_momentum_step, _gradients_held
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, recomputed_copies
 

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import gradient_uses, measured
+from memory_saving_gradients._src.analysis import gradient_uses, measured
 from tests.helpers import assert_same_gradients, run_python
 
 tf1 = tf.compat.v1

@@ -15,7 +15,7 @@ from tensorflow.python.framework import function
 from tensorflow.python.ops import list_ops
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models.command import dtype_policy
+from memory_saving_gradients._src.models.command import dtype_policy
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
-from memory_saving_gradients.planning import tunables
+from memory_saving_gradients._src.models import zoo
+from memory_saving_gradients._src.planning import tunables
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, assert_same_gradients, one_level
 

@@ -8,11 +8,11 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs, gradient_uses, kernels
-from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.planning import simulation
-from memory_saving_gradients.planning.simulation import executor
-from memory_saving_gradients.planning.simulation.numbering import Numbering, kernel_seconds
+from memory_saving_gradients._src.analysis import costs, gradient_uses, kernels
+from memory_saving_gradients._src.analysis.view import ForwardView
+from memory_saving_gradients._src.planning import simulation
+from memory_saving_gradients._src.planning.simulation import executor
+from memory_saving_gradients._src.planning.simulation.numbering import Numbering, kernel_seconds
 
 
 def test_a_views_numbering_is_made_once_and_forgotten_with_the_view():

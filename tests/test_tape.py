@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.integrations import tape as tape_module
+from memory_saving_gradients._src.integrations import tape as tape_module
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,

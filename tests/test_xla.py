@@ -3,8 +3,8 @@ ones, through `msg.gradients`, the tape drop-in and Keras `fit`, with XLA left o
 
 XLA ignores control dependencies and merges identical computations; each step's recomputation
 reads its inputs through a data dependency on the gradient arriving there (NOTE [gates under
-XLA] in `memory_saving_gradients._tf`). Peaks are XLA CPU's, each against plain XLA measured in
-the same process. The GPU tests at the end skip without a GPU.
+XLA] in `memory_saving_gradients._src._tf`). Peaks are XLA CPU's, each against plain XLA
+measured in the same process. The GPU tests at the end skip without a GPU.
 """
 
 import json
@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
-from memory_saving_gradients.models import graphs as models
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.models import graphs as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import (
     assert_recomputes,
