@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 
@@ -143,6 +144,30 @@ def test_every_public_name_resolves():
     for name in msg.__all__:
         assert getattr(msg, name) is not None, name
     assert set(msg.__all__) <= set(dir(msg))
+
+
+def test_public_names_carry_their_types_to_type_checkers(tmp_path):
+    """`__init__.pyi` lists the public names for mypy and IDEs, loaded lazily as they are:
+    a user's wrong argument is an error, not lost in Any."""
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import memory_saving_gradients as msg\n"
+        "budget: msg.MemoryBudget = msg.MemoryBudget(0.5)\n"
+        "msg.gradients([], [], checkpoints=budget, name=3)\n"
+        "msg.plan([], [], checkpoints=1.5)\n"
+        "msg.keras.enable(None, measure='yes')\n"
+        "msg.profiling.peak_memory(lambda: None, device=0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", str(user)],
+        cwd=ROOT,  # mypy finds this checkout's package first
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    errors = re.findall(r"user\.py:(\d+): error", result.stdout)
+    assert errors == ["3", "4", "5", "6"], result.stdout + result.stderr
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TypeAlias, TypeVar
 
 import tensorflow as tf
 
@@ -43,8 +43,16 @@ logger = logging.getLogger(__name__)
 #: own), a Plan, or tensors and tensor names.
 CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
+_Function = TypeVar("_Function", bound=Callable[..., object])
 
-@tf.autograph.experimental.do_not_convert
+
+def _not_converted(function: _Function) -> _Function:
+    """`tf.autograph.experimental.do_not_convert`, keeping `function`'s type for users' type
+    checkers (TensorFlow has no hints, so its decorators return Any)."""
+    return tf.autograph.experimental.do_not_convert(function)
+
+
+@_not_converted
 def gradients(
     ys: TensorLike | Sequence[TensorLike],
     xs: TensorLike | Sequence[TensorLike],
@@ -179,7 +187,7 @@ def _checkpointed(
     return backprop.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)
 
 
-@tf.autograph.experimental.do_not_convert
+@_not_converted
 def plan(
     ys: TensorLike | Sequence[TensorLike],
     xs: TensorLike | Sequence[TensorLike],
@@ -305,7 +313,7 @@ def _report_unreachable(view: ForwardView) -> None:
         logger.info("ys do not depend on xs %s: their gradients are None.", unreachable)
 
 
-def _with_strategy(strategy: str):
+def _with_strategy(strategy: str) -> Callable[..., list[Gradient | None]]:
     def shorthand(
         ys: TensorLike | Sequence[TensorLike],
         xs: TensorLike | Sequence[TensorLike],
@@ -316,7 +324,7 @@ def _with_strategy(strategy: str):
 
     shorthand.__name__ = shorthand.__qualname__ = f"gradients_{strategy}"
     shorthand.__doc__ = f"`gradients` with checkpoints={strategy!r}; same keyword arguments."
-    return tf.autograph.experimental.do_not_convert(shorthand)
+    return _not_converted(shorthand)
 
 
 gradients_speed = _with_strategy("speed")
