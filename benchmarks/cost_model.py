@@ -113,10 +113,10 @@ def measure(case: Case, method: str | None, sessions: int) -> Point:
         model = models.build(case.model, case.depth, case.shape)
         loss = model.loss(models.unwrapped)
         if method is None:
-            plan = msg.plan(loss, model.variables, _keep_nothing, gradients_held=True)
+            plan = msg.plan(loss, model.variables, checkpoints=_keep_nothing, gradients_held=True)
             gradients = tf.gradients(loss, model.variables)
         else:
-            plan = msg.plan(loss, model.variables, method, gradients_held=True)
+            plan = msg.plan(loss, model.variables, checkpoints=method, gradients_held=True)
             gradients = msg.gradients(loss, model.variables, checkpoints=plan)
         fetch = [g for g in gradients if g is not None]
         init = tf1.global_variables_initializer()

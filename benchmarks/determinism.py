@@ -82,7 +82,7 @@ def gradient_step(model: zoo.ZooModel, checkpoints, plan: dict):
             grads = tf.gradients(loss, model.trainable)
         else:
             # The step returns the gradients: they are held to its end.
-            chosen = msg.plan(loss, model.trainable, checkpoints, gradients_held=True)
+            chosen = msg.plan(loss, model.trainable, checkpoints=checkpoints, gradients_held=True)
             plan.update(predicted=chosen.peak_bytes / MiB, levels=len(chosen.levels))
             plan.update(plain_predicted=chosen.plain_peak_bytes / MiB)
             grads = msg.gradients(loss, model.trainable, checkpoints=chosen, gradients_held=True)

@@ -95,8 +95,9 @@ def _step(ys, xs, checkpoints):
     """The plan for `checkpoints` (None: plain) and the gradients it computes, which the step
     fetches: they are held to its end."""
     if checkpoints is None:
-        return msg.plan(ys, xs, _keep_nothing, gradients_held=True), tf.gradients(ys, xs)
-    plan = msg.plan(ys, xs, checkpoints, gradients_held=True)
+        plain = msg.plan(ys, xs, checkpoints=_keep_nothing, gradients_held=True)
+        return plain, tf.gradients(ys, xs)
+    plan = msg.plan(ys, xs, checkpoints=checkpoints, gradients_held=True)
     return plan, msg.gradients(ys, xs, checkpoints=plan)
 
 
@@ -130,7 +131,7 @@ def applied_peaks() -> tuple[float, float]:
         model = models.build("chain", 16, models.Shape(batch=512, width=1024, size=0))
         loss = model.loss(models.unwrapped)
         tanhs = [op.outputs[0] for op in loss.graph.get_operations() if op.type == "Tanh"]
-        plan = msg.plan(loss, model.variables, tanhs[3:-1:4])
+        plan = msg.plan(loss, model.variables, checkpoints=tanhs[3:-1:4])
         gradients = msg.gradients(loss, model.variables, checkpoints=plan)
         updates = [
             v.assign_sub(0.01 * g, read_value=False)

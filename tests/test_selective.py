@@ -69,7 +69,9 @@ def budget_plan(fraction: float) -> msg.Plan:
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
         weights = weights_of()
-        return msg.plan(residual_sine_chain(x, weights), weights, msg.MemoryBudget(fraction))
+        return msg.plan(
+            residual_sine_chain(x, weights), weights, checkpoints=msg.MemoryBudget(fraction)
+        )
 
 
 def test_a_budget_too_tight_to_save_every_matmul_saves_the_earliest(monkeypatch):

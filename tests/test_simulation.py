@@ -52,7 +52,7 @@ def test_independent_gradients_run_side_by_side_on_more_than_one_thread(
         x = tf.compat.v1.placeholder(tf.float32, [n, n])
         weights = [tf.Variable(tf.ones([n, n])) for _ in range(2)]
         loss = tf.add_n([tf.reduce_sum(tf.tanh(tf.tanh(x) @ w)) for w in weights])
-        plan = msg.plan(loss, [*weights, x], lambda view: msg.Plan(view, [], "plain"))
+        plan = msg.plan(loss, [*weights, x], checkpoints=lambda view: msg.Plan(view, [], "plain"))
     assert plan.plain_peak_bytes == pytest.approx(peak_mb * 1e6, abs=100)
 
 
@@ -101,7 +101,7 @@ def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
     @tf.function(jit_compile=True)
     def step():
         loss = tf.add_n([tf.reduce_sum(tf.tanh(tf.tanh(x) @ w)) for w in weights])
-        plan = msg.plan(loss, [*weights, x], lambda view: msg.Plan(view, [], "plain"))
+        plan = msg.plan(loss, [*weights, x], checkpoints=lambda view: msg.Plan(view, [], "plain"))
         peaks.append(plan.plain_peak_bytes)
         return loss
 

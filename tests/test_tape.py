@@ -79,7 +79,7 @@ def model_gradients(name: str, checkpoints):
             tape.watch(x)
             loss = tf.reduce_mean(tf.square(model(x, training=True)))
         sources = {"weights": model.trainable_variables, "input": x}
-        plan = msg.plan(loss, tf.nest.flatten(sources), checkpoints)
+        plan = msg.plan(loss, tf.nest.flatten(sources), checkpoints=checkpoints)
         got = tape.gradient(loss, sources)
         assert_recomputes_where_it_pays(plan)
         return reference.gradient(loss, sources), got

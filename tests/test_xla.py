@@ -83,7 +83,7 @@ def function_gradients(forward, variables, checkpoints, planned=None):
         if checkpoints == "plain":
             return tf.gradients(forward(x), variables)
         loss = forward(x)
-        plan = msg.plan(loss, variables, checkpoints)
+        plan = msg.plan(loss, variables, checkpoints=checkpoints)
         if planned is not None:
             planned["MiB"] = plan.peak_bytes / MiB
         return msg.gradients(loss, variables, checkpoints=plan)
@@ -227,7 +227,7 @@ def test_gradients_equal_plain_under_xla(model_fn, strategy):
     def step(x):
         ys, kept = model.forward(x)
         checkpoints = kept if strategy == "list" else STRATEGIES[strategy]
-        plan = msg.plan(ys, model.variables, checkpoints)
+        plan = msg.plan(ys, model.variables, checkpoints=checkpoints)
         got = msg.gradients(ys, model.variables, checkpoints=checkpoints)
         assert _tf.compiled_by_xla(tf1.get_default_graph())
         assert_recomputes_where_it_pays(plan)

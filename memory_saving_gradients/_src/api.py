@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeAlias, TypeVar
 
@@ -191,15 +192,16 @@ def _checkpointed(
 def plan(
     ys: TensorLike | Sequence[TensorLike],
     xs: TensorLike | Sequence[TensorLike],
-    checkpoints: CheckpointsArg = "memory",
     grad_ys: tf.Tensor | Sequence[tf.Tensor | None] | None = None,
+    checkpoints: CheckpointsArg = "memory",
     *,
     gradients_held: bool = False,
     costs: MeasuredCosts | None = None,
 ) -> Plan:
     """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
     that is predicted to cost, without building any gradient: print it for a table, pass it
-    back as `checkpoints=plan` to use it as it is.
+    back as `checkpoints=plan` to use it as it is. The arguments are `gradients`'s, in its
+    order.
 
     Raises:
       RuntimeError: called eagerly, outside any graph.
@@ -207,10 +209,19 @@ def plan(
         TensorFlow's own gradients apply (composite values, values captured across
         function boundaries).
     """
+    grad_ys, checkpoints = _in_gradients_order(grad_ys, checkpoints)
     arguments.check_graph_mode()
     arguments.check_costs(costs)
     check_checkpoints(checkpoints)
-    args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
+    try:
+        args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
+    except (TypeError, ValueError) as error:
+        if grad_ys is None or "grad_ys" not in str(error):
+            raise
+        raise type(error)(
+            f"{error} (plan's third argument is grad_ys, as gradients'; if these are "
+            "checkpoints, pass checkpoints= by keyword.)"
+        ) from error
     if args.only_tensorflow:
         raise ValueError(
             f"No plan: only TensorFlow's own gradients apply here ({args.only_tensorflow})."
@@ -226,6 +237,25 @@ def plan(
             measured=costs,
         )
         return plan_for(view, checkpoints).predicted()
+
+
+def _in_gradients_order(grad_ys, checkpoints) -> tuple:
+    """`(grad_ys, checkpoints)` of `plan`, from a call in the order `plan` took before it took
+    `gradients`'s, `plan(ys, xs, checkpoints, grad_ys)`, with a DeprecationWarning: where the
+    third argument can only be checkpoints (a strategy's name, a Plan, a policy, names of
+    tensors), and the fourth, if any, is grad_ys. Tensors third are grad_ys, as in
+    `gradients`."""
+    names = isinstance(grad_ys, list | tuple) and any(isinstance(g, str) for g in grad_ys)
+    if not (isinstance(grad_ys, str | Plan) or callable(grad_ys) or names):
+        return grad_ys, checkpoints
+    warnings.warn(
+        "plan's third argument is grad_ys now, as gradients' is (ys, xs, grad_ys, "
+        "checkpoints); checkpoints there are deprecated: pass checkpoints= by keyword.",
+        DeprecationWarning,
+        stacklevel=4,  # past this function, plan and autograph's wrapper of plan
+    )
+    old_grad_ys = None if isinstance(checkpoints, str) and checkpoints == "memory" else checkpoints
+    return old_grad_ys, grad_ys
 
 
 def _log_only_tensorflow(reason: str | None) -> None:
