@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TypeAlias, TypeVar
+from typing import TypeVar
 
 import tensorflow as tf
 
@@ -29,9 +29,9 @@ from memory_saving_gradients._src.analysis.measured import MeasuredCosts
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning.plans import MIB, Plan
 from memory_saving_gradients._src.planning.policies import (
+    CheckpointsArg,
     MemoryBudget,
     NoCheckpointsError,
-    Strategy,
     check_checkpoints,
     plan_for,
 )
@@ -39,10 +39,6 @@ from memory_saving_gradients._src.rewriting import backprop, enclosing
 from memory_saving_gradients._src.rewriting.backprop import GradientOptions, plain_gradients
 
 logger = logging.getLogger(__name__)
-
-#: What users pass as `checkpoints`: a strategy's name, a strategy (a `MemoryBudget`, one's
-#: own), a Plan, or tensors and tensor names.
-CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 _Function = TypeVar("_Function", bound=Callable[..., object])
 

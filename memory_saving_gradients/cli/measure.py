@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients._src.api import CheckpointsArg
 from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients._src.planning import policies
+from memory_saving_gradients._src.planning.policies import CheckpointsArg
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MIB = 2**20

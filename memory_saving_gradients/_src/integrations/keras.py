@@ -43,17 +43,17 @@ import tensorflow as tf
 
 from memory_saving_gradients._src.analysis.measured import MeasuredCosts
 from memory_saving_gradients._src.analysis.view import ForwardView
-from memory_saving_gradients._src.api import (
-    CheckpointsArg,
-    Plan,
-    Strategy,
-    check_checkpoints,
-    plan_for,
-)
 from memory_saving_gradients._src.integrations import keras_function
 from memory_saving_gradients._src.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients._src.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients._src.integrations.tape import GradientTape
+from memory_saving_gradients._src.planning.plans import Plan
+from memory_saving_gradients._src.planning.policies import (
+    CheckpointsArg,
+    Strategy,
+    check_checkpoints,
+    plan_for,
+)
 from memory_saving_gradients._src.profiling import measure_costs
 
 __all__ = ["LayerOutputs", "MemoryLog", "enable", "layer_outputs"]

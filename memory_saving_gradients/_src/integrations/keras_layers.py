@@ -38,7 +38,8 @@ import keras
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis.view import ForwardView, why_not_recomputable
-from memory_saving_gradients._src.api import NoCheckpointsError, Plan
+from memory_saving_gradients._src.planning.plans import Plan
+from memory_saving_gradients._src.planning.policies import NoCheckpointsError
 
 logger = logging.getLogger(__name__)
 

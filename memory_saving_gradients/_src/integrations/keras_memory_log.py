@@ -42,7 +42,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients._src.api import MIB, MeasuredCosts, Plan
+from memory_saving_gradients._src.analysis.measured import MeasuredCosts
+from memory_saving_gradients._src.planning.plans import MIB, Plan
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from memory_saving_gradients._src.api import CheckpointsArg
 from memory_saving_gradients._src.integrations.keras import enable
+from memory_saving_gradients._src.planning.policies import CheckpointsArg
 from memory_saving_gradients._src.profiling import peak_memory
 from memory_saving_gradients._src.sizing import Probe, search
 

@@ -19,12 +19,9 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
-from memory_saving_gradients._src.api import (
-    CheckpointsArg,
-    GradientOptions,
-    check_checkpoints,
-    compute_gradients,
-)
+from memory_saving_gradients._src.api import compute_gradients
+from memory_saving_gradients._src.planning.policies import CheckpointsArg, check_checkpoints
+from memory_saving_gradients._src.rewriting.backprop import GradientOptions
 
 logger = logging.getLogger(__name__)
 

@@ -32,12 +32,8 @@ from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import queries
 from memory_saving_gradients._src.analysis.arguments import graph_of
 from memory_saving_gradients._src.analysis.measured import MeasuredCosts
-from memory_saving_gradients._src.api import (
-    CheckpointsArg,
-    check_checkpoints,
-    gradients,
-    unconnected_filled,
-)
+from memory_saving_gradients._src.api import gradients, unconnected_filled
+from memory_saving_gradients._src.planning.policies import CheckpointsArg, check_checkpoints
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import tensorflow as tf
 
@@ -35,13 +35,13 @@ from memory_saving_gradients._src.planning import search, simulation, tunables
 from memory_saving_gradients._src.planning.plans import Plan
 from memory_saving_gradients._src.planning.schedule import recomputed_repeatedly, saveable
 
-if TYPE_CHECKING:  # the API's type, which names `Strategy`
-    from memory_saving_gradients._src.api import CheckpointsArg
-
 logger = logging.getLogger(__name__)
 
 #: A checkpoint policy of one's own: given the forward graph, the tensors to keep or a Plan.
 Strategy: TypeAlias = Callable[[ForwardView], Sequence[tf.Tensor] | Plan]
+#: What users pass as `checkpoints`: a strategy's name, a strategy (a `MemoryBudget`, one's
+#: own), a Plan, or tensors and tensor names.
+CheckpointsArg: TypeAlias = str | Plan | Strategy | Sequence[tf.Tensor | str]
 
 #: Name of the graph collection read by the 'collection' strategy.
 CHECKPOINTS_COLLECTION = "checkpoints"
