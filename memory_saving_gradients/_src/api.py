@@ -84,7 +84,10 @@ def gradients(
         a `MemoryBudget` (the least recomputation whose predicted peak fits a fraction of
         plain backprop's, or a number of bytes; nested recomputation below one level's
         least), a `Plan` from `plan`, or a callable given the `ForwardView` that returns the
-        tensors to keep (or a Plan).
+        tensors to keep (or a Plan). The default is the original TF1 library's, so that code
+        written for it, which marks its checkpoints, keeps them; the entry points it never
+        had (`GradientTape`, `keras.enable`, `patch`, `plan`) default to 'memory', which
+        needs no marking.
       gradients_held: whether the step keeps every gradient until the last one is made: a
         Session fetches them, a function returns them, loss scaling or global-norm clipping
         checks them all before an optimizer applies any. By default plans count on each
@@ -197,7 +200,8 @@ def plan(
     """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
     that is predicted to cost, without building any gradient: print it for a table, pass it
     back as `checkpoints=plan` to use it as it is. The arguments are `gradients`'s, in its
-    order.
+    order; `checkpoints` defaults to 'memory' (`gradients`' default is the original
+    library's, for its users' code).
 
     Raises:
       RuntimeError: called eagerly, outside any graph.

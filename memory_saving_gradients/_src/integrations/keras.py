@@ -68,7 +68,9 @@ def enable(
 ) -> ModelT:
     """Make `model.fit` compute checkpointed gradients; returns `model`.
 
-    Works on built and unbuilt models, before or after `compile`; calling it again changes
+    `checkpoints` is any value `gradients` takes, 'memory' by default (`gradients` defaults
+    to the original library's 'collection', for code written for it). Works on built and
+    unbuilt models, before or after `compile`; calling it again changes
     `checkpoints`. A model saved and loaded again needs `enable` again. With `measure`, the
     first step of `fit` is a plain step, measured, and the plans of the steps after it use
     its costs (`model.measured_costs` then holds them). `model.checkpoint_plan` holds the

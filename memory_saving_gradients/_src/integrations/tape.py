@@ -57,9 +57,11 @@ class GradientTape(tf.GradientTape):
     Inside `tf.function` (compiled by XLA or not) only the checkpoints of the forward pass are
     kept; the rest is recomputed segment by segment during the backward pass. `checkpoints` is
     any value `memory_saving_gradients.gradients` takes ('memory', 'balanced', 'speed',
-    'collection', a `MemoryBudget`, a list); `gradients_held` is its argument of that name
-    (pass True where the step keeps every gradient until the last is made, e.g. to check
-    them all for overflow); `costs` too (a plain step measured by `measure_costs`).
+    'collection', a `MemoryBudget`, a list), 'memory' by default (`gradients` defaults to
+    the original library's 'collection', for code written for it); `gradients_held` is its
+    argument of that name (pass True where the step keeps every gradient until the last is
+    made, e.g. to check them all for overflow); `costs` too (a plain step measured by
+    `measure_costs`).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape`, not checkpointed.
     """
 
