@@ -40,7 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command as models
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 
 tf1 = tf.compat.v1
@@ -55,7 +55,7 @@ GROWN_MIB = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A model of `memory_saving_gradients.models.command` at one depth and shape."""
+    """A model of `memory_saving_gradients._src.models.command` at one depth and shape."""
 
     model: str
     depth: int
@@ -113,10 +113,10 @@ def measure(case: Case, method: str | None, sessions: int) -> Point:
         model = models.build(case.model, case.depth, case.shape)
         loss = model.loss(models.unwrapped)
         if method is None:
-            plan = msg.plan(loss, model.variables, _keep_nothing, gradients_held=True)
+            plan = msg.plan(loss, model.variables, checkpoints=_keep_nothing, gradients_held=True)
             gradients = tf.gradients(loss, model.variables)
         else:
-            plan = msg.plan(loss, model.variables, method, gradients_held=True)
+            plan = msg.plan(loss, model.variables, checkpoints=method, gradients_held=True)
             gradients = msg.gradients(loss, model.variables, checkpoints=plan)
         fetch = [g for g in gradients if g is not None]
         init = tf1.global_variables_initializer()

@@ -1,5 +1,5 @@
-"""How far a step's peak memory can be counted on, on the model zoo (models/zoo.py), and whether
-'memory' needs the least of every strategy and budget.
+"""How far a step's peak memory can be counted on, on the model zoo (_src/models/zoo.py), and
+whether 'memory' needs the least of every strategy and budget.
 
 For each model, plain `tf.gradients`, 'speed', 'memory', 'balanced', `MemoryBudget(0.25)` and
 `MemoryBudget(0.5)` each compute the gradients of the model's training loss inside a
@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
+from memory_saving_gradients._src.models import zoo
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 tf.get_logger().setLevel("ERROR")  # retracing notices: every step here is traced once
@@ -82,7 +82,7 @@ def gradient_step(model: zoo.ZooModel, checkpoints, plan: dict):
             grads = tf.gradients(loss, model.trainable)
         else:
             # The step returns the gradients: they are held to its end.
-            chosen = msg.plan(loss, model.trainable, checkpoints, gradients_held=True)
+            chosen = msg.plan(loss, model.trainable, checkpoints=checkpoints, gradients_held=True)
             plan.update(predicted=chosen.peak_bytes / MiB, levels=len(chosen.levels))
             plan.update(plain_predicted=chosen.plain_peak_bytes / MiB)
             grads = msg.gradients(loss, model.trainable, checkpoints=chosen, gradients_held=True)

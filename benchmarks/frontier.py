@@ -24,8 +24,8 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import memory_saving_gradients as msg
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.cli import measure
-from memory_saving_gradients.models import command as models
 
 #: Issue 10: MemoryBudget(0.10) within 0.10 of plain's activation memory at <= 1.8x its time.
 TARGET_BUDGET, TARGET_MEMORY, TARGET_TIME = 0.10, 0.10, 1.8

@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command
+from memory_saving_gradients._src.models import command
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MiB = 2**20
@@ -82,7 +82,7 @@ def _step(weights, loss_of, checkpoints=None, costs=None, plans=None):
         if checkpoints is None:
             grads = tf.gradients(loss, weights)
         else:
-            plans.append(msg.plan(loss, weights, checkpoints, costs=costs))
+            plans.append(msg.plan(loss, weights, checkpoints=checkpoints, costs=costs))
             grads = msg.gradients(loss, weights, checkpoints=checkpoints, costs=costs)
         return [tf.reduce_sum(g) for g in grads]
 

@@ -1,7 +1,7 @@
 """What is alive at a step's memory peak, from TensorFlow's profiler: tells the executor's
 order apart from the allocator's rounding when peaks of the same step differ.
 
-For one zoo model (models/zoo.py) and configuration, each of --steps profiled steps of the
+For one zoo model (_src/models/zoo.py) and configuration, each of --steps profiled steps of the
 gradient tf.function of benchmarks/determinism.py reports:
 
 - the allocator's peak above resident memory (what `profiling.peak_memory` reads);
@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from memory_saving_gradients.models import zoo
+from memory_saving_gradients._src.models import zoo
 
 MiB = determinism.MiB
 

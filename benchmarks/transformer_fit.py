@@ -1,6 +1,6 @@
 """Keras `fit` of transformers: each method's activation peak and step time against plain's.
 
-The models are those of `memory_saving_gradients.models.transformers`: the encoder, the
+The models are those of `memory_saving_gradients._src.models.transformers`: the encoder, the
 causal decoder, or a keras-hub causal LM family (`--model llama`, ...). Training is
 `model.fit` on arrays, as users call it (Keras traces the step with the batch unknown). A
 method's activation peak is the allocator's peak during a step above what was resident before
@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import transformers
+from memory_saving_gradients._src.models import transformers
 from memory_saving_gradients.profiling import interleaved_step_times
 
 MiB = 2**20

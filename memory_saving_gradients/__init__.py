@@ -13,96 +13,46 @@ Diagnostics go to `logging.getLogger("memory_saving_gradients")`.
 
 from __future__ import annotations
 
+import ast
 import importlib
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from memory_saving_gradients import _moved
 
-#: Where each public name lives. Importing the package loads none of them (nor TensorFlow):
-#: the first use of a name does, so a command can quiet TensorFlow before it starts.
-_PUBLIC = {
-    "CHECKPOINTS_COLLECTION": "planning.policies",
-    "ForwardView": "analysis.view",
-    "GradientTape": "integrations.tape",
-    "MeasuredCosts": "analysis.measured",
-    "MemoryBudget": "planning.policies",
-    "NoCheckpointsError": "planning.policies",
-    "Plan": "planning.plans",
-    "add_checkpoint": "planning.policies",
-    "gradients": "api",
-    "gradients_collection": "api",
-    "gradients_memory": "api",
-    "gradients_speed": "api",
-    "measure_costs": "profiling",
-    "patch": "integrations.patching",
-    "patched": "integrations.patching",
-    "plan": "api",
-    "unpatch": "integrations.patching",
-}
-#: Public modules, by the name the package gives them.
-_MODULES = {"keras": "keras", "profiling": "profiling"}
+__version__ = "0.1.0"
+
+
+def _read_stub() -> dict[str, tuple[str, str]]:
+    """Each public name -> the module it is made in and its name there, read from
+    `__init__.pyi`, the one list of them (the one type checkers and IDEs read)."""
+    stub = ast.parse(Path(__file__).with_suffix(".pyi").read_text())
+    return {
+        alias.asname or alias.name: (node.module or __name__, alias.name)
+        for node in stub.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+#: Importing the package loads none of the public names (nor TensorFlow): the first use of a
+#: name does, so a command can quiet TensorFlow before it starts.
+_PUBLIC = _read_stub()
+__all__ = sorted(_PUBLIC)
 
 _moved.install()
 
-if TYPE_CHECKING:
-    from memory_saving_gradients import keras, profiling
-    from memory_saving_gradients.analysis.measured import MeasuredCosts
-    from memory_saving_gradients.analysis.view import ForwardView
-    from memory_saving_gradients.api import (
-        gradients,
-        gradients_collection,
-        gradients_memory,
-        gradients_speed,
-        plan,
-    )
-    from memory_saving_gradients.integrations.patching import patch, patched, unpatch
-    from memory_saving_gradients.integrations.tape import GradientTape
-    from memory_saving_gradients.planning.plans import Plan
-    from memory_saving_gradients.planning.policies import (
-        CHECKPOINTS_COLLECTION,
-        MemoryBudget,
-        NoCheckpointsError,
-        add_checkpoint,
-    )
-    from memory_saving_gradients.profiling import measure_costs
 
-
-def __getattr__(name: str):
-    if name in _MODULES:
-        value = importlib.import_module(f"memory_saving_gradients.{_MODULES[name]}")
-    elif name in _PUBLIC:
-        module = importlib.import_module(f"memory_saving_gradients.{_PUBLIC[name]}")
-        value = getattr(module, name)
+def __getattr__(name: str) -> object:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _PUBLIC[name]
+    if module == __name__:  # a public module: importing it sets it as an attribute here
+        value = importlib.import_module(f"{module}.{attribute}")
     else:
-        raise AttributeError(f"module 'memory_saving_gradients' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC, *_MODULES])
-
-
-__version__ = "0.1.0"
-
-__all__ = [
-    "CHECKPOINTS_COLLECTION",
-    "ForwardView",
-    "GradientTape",
-    "MeasuredCosts",
-    "MemoryBudget",
-    "NoCheckpointsError",
-    "Plan",
-    "add_checkpoint",
-    "gradients",
-    "gradients_collection",
-    "gradients_memory",
-    "gradients_speed",
-    "keras",
-    "measure_costs",
-    "patch",
-    "patched",
-    "plan",
-    "profiling",
-    "unpatch",
-]
+    return sorted({*globals(), *_PUBLIC})

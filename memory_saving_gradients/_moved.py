@@ -20,26 +20,33 @@ import warnings
 
 PACKAGE = "memory_saving_gradients"
 
-#: Old path -> new path, both under the package. (`patch` is left out: that name is the
-#: public function `patch`, which importing a module of that name would replace.)
+#: Old path -> new path, both under the package. A package's entry covers its submodules too
+#: (`analysis.view` is `_src.analysis.view`), and a new path that has moved again is followed
+#: to where it is now (`view` -> `analysis.view` -> `_src.analysis.view`). (`patch` is left
+#: out: that name is the public function `patch`, which importing a module of that name would
+#: replace.)
 MOVED = {
+    "_tf": "_src._tf",
+    "analysis": "_src.analysis",
+    "api": "_src.api",
     "captures": "rewriting.enclosing",
     "costs": "analysis.costs",
     "editor": "rewriting.editor",
     "footprint": "planning.simulation",
-    "footprint.ledger": "planning.simulation.ledger",
-    "footprint.numbering": "planning.simulation.numbering",
-    "footprint.peaks": "planning.simulation.peaks",
-    "footprint.simulator": "planning.simulation.simulator",
     "gates": "rewriting.gates",
     "graph": "analysis.queries",
     "inputs": "analysis.arguments",
+    "integrations": "_src.integrations",
+    "models": "_src.models",
     "planner": "planning.cut_search",
+    "planning": "_src.planning",
     "plans": "planning.plans",
     "policies": "planning.policies",
     "rewrite": "rewriting.backprop",
+    "rewriting": "_src.rewriting",
     "schedule": "planning.schedule",
     "search": "planning.search",
+    "sizing": "_src.sizing",
     "strategies": "planning.policies",
     "tape": "integrations.tape",
     "tunables": "planning.tunables",
@@ -51,7 +58,8 @@ class _MovedPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of `MOVED` and loads each as the module at its new path."""
 
     def find_spec(self, fullname: str, path=None, target=None):
-        if _old_path(fullname) is None:
+        prefix = PACKAGE + "."
+        if not fullname.startswith(prefix) or new_path(fullname[len(prefix) :]) is None:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
@@ -59,7 +67,7 @@ class _MovedPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module) -> None:
-        new = f"{PACKAGE}.{MOVED[module.__name__[len(PACKAGE) + 1 :]]}"
+        new = f"{PACKAGE}.{new_path(module.__name__[len(PACKAGE) + 1 :])}"
         warnings.warn(
             f"{module.__name__} has moved to {new}: import it from there, or use the public "
             f"names of {PACKAGE} (`import {PACKAGE} as msg`).",
@@ -69,12 +77,20 @@ class _MovedPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(new)
 
 
-def _old_path(fullname: str) -> str | None:
-    """The key of `MOVED` that `fullname` names, or None."""
-    prefix = PACKAGE + "."
-    if fullname.startswith(prefix) and fullname[len(prefix) :] in MOVED:
-        return fullname[len(prefix) :]
-    return None
+def new_path(old: str) -> str | None:
+    """Where the module at `old` (a path under the package) is now, or None where it has not
+    moved: the longest moved package or module that `old` is, or is inside, replaced by its
+    new path, until no part of the path has moved."""
+    new = old
+    while moved := next((p for p in _prefixes(new) if p in MOVED), None):
+        new = MOVED[moved] + new[len(moved) :]
+    return None if new == old else new
+
+
+def _prefixes(path: str) -> list[str]:
+    """`path`, then the packages it is inside, innermost first: `a.b.c`, `a.b`, `a`."""
+    parts = path.split(".")
+    return [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
 
 
 def _importer_stacklevel() -> int:

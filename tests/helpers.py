@@ -13,8 +13,8 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models.graphs import Model
-from memory_saving_gradients.planning import cut_search
+from memory_saving_gradients._src.models.graphs import Model
+from memory_saving_gradients._src.planning import cut_search
 
 tf1 = tf.compat.v1
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def gradients_in_session(model_fn, strategy: str, *, input_gradient=False, grad_
         )
         reference = tf1.gradients(ys, xs, grad_ys=seeds)
         checkpoints = checkpoints_for(strategy, kept)
-        plan = msg.plan(ys, xs, checkpoints, grad_ys=seeds)
+        plan = msg.plan(ys, xs, checkpoints=checkpoints, grad_ys=seeds)
         got = msg.gradients(ys, xs, grad_ys=seeds, checkpoints=checkpoints)
         assert_recomputes_where_it_pays(plan)
         with tf1.Session() as session:
@@ -93,7 +93,7 @@ def gradients_in_function(model_fn, strategy: str, *, input_gradient=False):
         xs = [*model.variables, *([x] if input_gradient else [])]
         reference = tf.gradients(ys, xs)
         checkpoints = checkpoints_for(strategy, kept)
-        plan = msg.plan(ys, xs, checkpoints)
+        plan = msg.plan(ys, xs, checkpoints=checkpoints)
         got = msg.gradients(ys, xs, checkpoints=checkpoints)
         assert_recomputes_where_it_pays(plan)
         return reference, got

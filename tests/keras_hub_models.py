@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import transformers
+from memory_saving_gradients._src.models import transformers
 
 keras_hub = pytest.importorskip("keras_hub")
 

@@ -17,10 +17,10 @@ import sys
 import pytest
 import tensorflow as tf
 
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.cli import main as cli_main
 from memory_saving_gradients.cli import runtime
 from memory_saving_gradients.cli.main import DTYPES, main
-from memory_saving_gradients.models import command as models
 from tests.helpers import ROOT, run_python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

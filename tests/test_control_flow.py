@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
+from memory_saving_gradients._src import _tf
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,
@@ -154,7 +154,7 @@ def test_control_flow_in_a_tf_function(strategy):
         loss_b, named_b = while_model(ws, x, steps)
         loss = loss_a + loss_b
         chosen = [named_a["cond"], named_b["after"]] if strategy == "list" else strategy
-        plan = msg.plan(loss, ws, chosen)
+        plan = msg.plan(loss, ws, checkpoints=chosen)
         got = msg.gradients(loss, ws, checkpoints=chosen)
         assert_recomputes_where_it_pays(plan)
         return tf.gradients(loss, ws), got

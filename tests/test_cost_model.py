@@ -28,8 +28,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs, gradient_uses, kernels
-from memory_saving_gradients.models import command as models
+from memory_saving_gradients._src.analysis import costs, gradient_uses, kernels
+from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import run_python
 from tests.test_memory import SLACK_MB, chain
@@ -60,7 +60,7 @@ CHAINS = {
     "residual nested 16": (16, True, _nested([6, 11, 15], [3, 9, 14], [13])),
     "nested 30": (30, False, _nested([11, 21], [6, 16, 26], [4, 14, 24])),
 }
-#: Models of the command (`models/command.py`) at sizes whose tensors are 256 KiB or more.
+#: Models of the command (`_src/models/command.py`) at sizes whose tensors are 256 KiB or more.
 FAMILIES = {
     "resnet": (3, models.Shape(batch=8, width=16, size=32)),
     "densenet": (4, models.Shape(batch=8, width=12, size=32)),
@@ -95,8 +95,9 @@ def _step(ys, xs, checkpoints):
     """The plan for `checkpoints` (None: plain) and the gradients it computes, which the step
     fetches: they are held to its end."""
     if checkpoints is None:
-        return msg.plan(ys, xs, _keep_nothing, gradients_held=True), tf.gradients(ys, xs)
-    plan = msg.plan(ys, xs, checkpoints, gradients_held=True)
+        plain = msg.plan(ys, xs, checkpoints=_keep_nothing, gradients_held=True)
+        return plain, tf.gradients(ys, xs)
+    plan = msg.plan(ys, xs, checkpoints=checkpoints, gradients_held=True)
     return plan, msg.gradients(ys, xs, checkpoints=plan)
 
 
@@ -130,7 +131,7 @@ def applied_peaks() -> tuple[float, float]:
         model = models.build("chain", 16, models.Shape(batch=512, width=1024, size=0))
         loss = model.loss(models.unwrapped)
         tanhs = [op.outputs[0] for op in loss.graph.get_operations() if op.type == "Tanh"]
-        plan = msg.plan(loss, model.variables, tanhs[3:-1:4])
+        plan = msg.plan(loss, model.variables, checkpoints=tanhs[3:-1:4])
         gradients = msg.gradients(loss, model.variables, checkpoints=plan)
         updates = [
             v.assign_sub(0.01 * g, read_value=False)

@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.rewriting import editor
+from memory_saving_gradients._src.rewriting import editor
 
 tf1 = tf.compat.v1
 

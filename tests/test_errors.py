@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.planning import search
+from memory_saving_gradients._src.planning import search
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,
@@ -101,7 +101,10 @@ def test_memory_budget_too_small_to_meet_takes_memorys_plan_and_says_so_once(cap
             for w in ws:
                 h = tf.tanh(tf.matmul(h, w) + 1.0)
             loss = tf.reduce_sum(h * h)
-            chosen, memory = msg.plan(loss, ws, budget), msg.plan(loss, ws, "memory")
+            chosen, memory = (
+                msg.plan(loss, ws, checkpoints=budget),
+                msg.plan(loss, ws, checkpoints="memory"),
+            )
         assert chosen.levels == memory.levels
         assert chosen.recompute_flops_fraction == memory.recompute_flops_fraction
     below = [r for r in caplog.records if "MemoryBudget(0.001) (" in r.getMessage()]

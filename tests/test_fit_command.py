@@ -10,9 +10,9 @@ import math
 
 import pytest
 
+from memory_saving_gradients._src.sizing import Probe, search
 from memory_saving_gradients.cli.largest import Problem, failure_reason, upper_bound
 from memory_saving_gradients.cli.main import main
-from memory_saving_gradients.sizing import Probe, search
 from tests.helpers import run_python
 
 LIMIT = "3MiB"
@@ -80,8 +80,8 @@ def test_a_unets_depth_grows_only_as_far_as_its_images_halve():
     [("batch", 4, 16, 32), ("depth", 16, 8, 32), ("length", 4, 8, 16)],
 )
 def test_each_size_grows_its_own_dimension(grow, depth, batch, size):
+    from memory_saving_gradients._src.models.command import Shape
     from memory_saving_gradients.cli import measure
-    from memory_saving_gradients.models.command import Shape
 
     problem = Problem(
         "transformer", 4, Shape(8, 64, 32), grow, 2**20, 1, 100, "CPU:0", measure.Setting("CPU:0")
@@ -146,8 +146,8 @@ def test_plains_largest_batch_is_right_within_the_spread_of_peaks_measured_again
     one build's peak varies by some 15% at these sizes, so half the batch must fit and twice
     it must not."""
     _, rows, _ = tiny_fit
+    from memory_saving_gradients._src.models import command as models
     from memory_saving_gradients.cli import measure
-    from memory_saving_gradients.models import command as models
 
     largest = int(rows["plain"]["largest"])
     plain = measure.Method("plain", reference="plain")

@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from memory_saving_gradients.rewriting import gates
+from memory_saving_gradients._src.rewriting import gates
 from tests.helpers import run_in_session as run
 
 tf1 = tf.compat.v1

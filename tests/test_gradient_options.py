@@ -76,7 +76,7 @@ def both_gradients(model, x, strategy, option):
         options["stop_gradients"] = [hidden[3]]
     checkpoints = STRATEGIES[strategy]()
     reference = tf1.gradients(loss, model.variables, **options)
-    plan = msg.plan(loss, model.variables, checkpoints)
+    plan = msg.plan(loss, model.variables, checkpoints=checkpoints)
     got = msg.gradients(loss, model.variables, checkpoints=checkpoints, **options)
     return reference, got, plan
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import graphs as models
+from memory_saving_gradients._src.models import graphs as models
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.integrations.keras import _fused_momentum_step, _gradients_held
+from memory_saving_gradients._src.integrations.keras import _fused_momentum_step, _gradients_held
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, recomputed_copies
 
@@ -145,7 +145,7 @@ def test_fit_traces_the_step_on_each_batch_shape_and_plans_for_it():
         loss = models[1].compute_loss(
             x=images, y=y["value"][:16], y_pred=models[1](images, training=True)
         )
-        return msg.plan(loss, models[1].trainable_weights, "memory").plain_peak_bytes
+        return msg.plan(loss, models[1].trainable_weights, checkpoints="memory").plain_peak_bytes
 
     assert plans[0].plain_peak_bytes == planned(tf.constant(x[:16])).numpy()
 

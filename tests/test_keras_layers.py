@@ -70,7 +70,7 @@ def tape_step(model: keras.Model, checkpoints):
     def step(x):
         with msg.GradientTape(checkpoints=checkpoints) as tape:
             loss = loss_of(model, x)
-        plans.append(msg.plan(loss, model.trainable_variables, checkpoints))
+        plans.append(msg.plan(loss, model.trainable_variables, checkpoints=checkpoints))
         with tf.GradientTape() as plain_tape:
             plain_loss = loss_of(model, x)
         checkpointed = tape.gradient(loss, model.trainable_variables)

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import gradient_uses, measured
+from memory_saving_gradients._src.analysis import gradient_uses, measured
 from tests.helpers import assert_same_gradients, run_python
 
 tf1 = tf.compat.v1
@@ -230,7 +230,7 @@ def test_a_session_step_is_measured_and_planned_from():
         session = tf1.Session(graph=graph)
         session.run(tf1.global_variables_initializer())
         costs = msg.measure_costs(lambda: session.run(plain))
-        plan = msg.plan(loss, weights, "memory", gradients_held=True, costs=costs)
+        plan = msg.plan(loss, weights, checkpoints="memory", gradients_held=True, costs=costs)
         checkpointed = msg.gradients(loss, weights, checkpoints=plan, gradients_held=True)
         assert_same_gradients(session.run(plain), session.run(checkpointed))
     assert costs.peak_bytes > 10 * MiB
@@ -247,7 +247,7 @@ def test_static_plans_say_so_and_predict_no_time():
     graph = tf.Graph()
     loss, weights = _chain_step(graph, n=4, width=64, batch=64)
     with graph.as_default():
-        plan = msg.plan(loss, weights, "memory")
+        plan = msg.plan(loss, weights, checkpoints="memory")
     assert plan.cost_source == "static"
     assert plan.time_ratio is None
 

@@ -374,7 +374,7 @@ def recomputed_data_gradients(
 
 
 def test_weight_gradients_run_first_where_they_free_the_activation():
-    """NOTE [weight gradients first] in rewriting/ordering.py: a recomputed convolution's
+    """NOTE [weight gradients first] in _src/rewriting/ordering.py: a recomputed convolution's
     filter gradient frees the concatenation it reads before the input gradient allocates
     its own; the gradient of a ReLU reads its output, which is held for that anyway, so
     there both gradients are left free to run side by side."""

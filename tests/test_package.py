@@ -2,8 +2,10 @@
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -52,59 +54,90 @@ def test_documented_import_paths_import():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def _old_paths() -> list[str]:
+    """Every path of `_moved.MOVED`, and every module now under `_src` by the path it had
+    before (`analysis.view` for `_src.analysis.view`), but those a public module re-exports
+    at that path (`profiling`)."""
+    package = ROOT / "memory_saving_gradients"
+    modules = {
+        ".".join(path.relative_to(package / "_src").with_suffix("").parts)
+        for path in (package / "_src").rglob("*.py")
+    }
+    modules = {module.removesuffix(".__init__") for module in modules}
+    public = {path.stem for path in package.glob("*.py")}
+    return sorted({*_moved.MOVED, *modules} - public)
+
+
+@pytest.mark.parametrize("old", _old_paths())
 def test_moved_paths_import_the_module_at_the_new_path_with_a_warning(old, monkeypatch):
+    new = _moved.new_path(old)
+    assert new is not None and new.startswith("_src."), new
+    if old not in _moved.MOVED:
+        assert new == f"_src.{old}"
     name = f"memory_saving_gradients.{old}"
     monkeypatch.delitem(sys.modules, name, raising=False)
-    with pytest.warns(DeprecationWarning, match=rf"{name} has moved to .*{_moved.MOVED[old]}"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         module = importlib.import_module(name)
-    assert module is importlib.import_module(f"memory_saving_gradients.{_moved.MOVED[old]}")
+    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    # One for each moved path imported: the old package of a submodule too.
+    assert any(
+        m.startswith(f"{name} has moved to memory_saving_gradients.{new}:") for m in messages
+    )
+    assert len(messages) == len(caught), [str(w.message) for w in caught]
+    assert module is importlib.import_module(f"memory_saving_gradients.{new}")
 
 
-#: The package's layers, and what each may import of it (`_tf` is the only module
-#: touching TensorFlow's private APIs; `api` and `cli` sit on top).
+#: The package's layers, and what each may import of it, for type checking too. `_src` holds
+#: the implementation, in layers that import only those below (`_tf` is the only module
+#: touching TensorFlow's private APIs); the public modules re-export it, and the command
+#: (`cli`) sits on top.
 MAY_IMPORT = {
-    "analysis": {"_tf"},
-    "planning": {"_tf", "analysis"},
-    "rewriting": {"_tf", "analysis", "planning"},
-    "api": {"_tf", "analysis", "planning", "rewriting"},
-    "integrations": {"_tf", "analysis", "api", "profiling", "sizing"},
-    "keras": {"integrations"},
+    "_src._tf": set(),
+    "_src.sizing": set(),
+    "_src.models": set(),
+    "_src.analysis": {"_src._tf"},
+    "_src.profiling": {"_src._tf", "_src.analysis"},
+    "_src.planning": {"_src._tf", "_src.analysis"},
+    "_src.rewriting": {"_src._tf", "_src.analysis", "_src.planning"},
+    "_src.api": {"_src._tf", "_src.analysis", "_src.planning", "_src.rewriting"},
+    "_src.integrations": {
+        "_src._tf", "_src.analysis", "_src.planning", "_src.rewriting", "_src.api",
+        "_src.profiling", "_src.sizing",
+    },
     "_moved": set(),
-    "models": set(),
-    "profiling": {"_tf", "analysis"},
-    "sizing": set(),
-    "_tf": set(),
-}
+    "__init__": {"_moved"},
+    "keras": {"_src.integrations"},
+    "profiling": {"_src.profiling"},
+    "cli": {"__init__", "keras", "profiling", "_src.models", "_src.planning", "_src.sizing"},
+    "__main__": {"cli"},
+}  # fmt: skip
+
+
+def _layer(module: str) -> str:
+    """The layer of the package that `module` (a dotted path in it) is in: `_src.analysis`
+    for `memory_saving_gradients._src.analysis.view`, `keras` for its `keras`, `__init__`
+    for the package itself."""
+    parts = module.split(".")[1:]
+    return ".".join(parts[:2] if parts[:1] == ["_src"] else parts[:1]) or "__init__"
 
 
 def _package_imports(path) -> set[str]:
-    """The package's first-level modules `path` imports at run time (not for type checking)."""
-    tree = ast.parse(path.read_text())
-    checking_only = {
-        id(node)
-        for branch in ast.walk(tree)
-        if isinstance(branch, ast.If) and ast.unparse(branch.test) == "TYPE_CHECKING"
-        for node in ast.walk(branch)
-    }
+    """The package's layers `path` imports, at run time or for type checking."""
     imported = set()
-    for node in ast.walk(tree):
-        if id(node) in checking_only or not isinstance(node, ast.ImportFrom):
-            continue
-        parts = (node.module or "").split(".")
-        if parts[0] != "memory_saving_gradients":
-            continue
-        if len(parts) > 1:
-            imported.add(parts[1])
-        else:
-            imported.update(alias.name for alias in node.names)
-    return imported
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {_layer(name) for name in imported if name.split(".")[0] == "memory_saving_gradients"}
 
 
 @pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
 def test_each_layer_imports_only_the_layers_below_it(layer):
     package = ROOT / "memory_saving_gradients"
-    paths = sorted((package / layer).rglob("*.py")) or [package / f"{layer}.py"]
+    folder = package.joinpath(*layer.split("."))
+    paths = sorted(folder.rglob("*.py")) or [folder.with_suffix(".py")]
     for path in paths:
         wrong = _package_imports(path) - MAY_IMPORT[layer] - {layer}
         assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}"
@@ -114,6 +147,30 @@ def test_every_public_name_resolves():
     for name in msg.__all__:
         assert getattr(msg, name) is not None, name
     assert set(msg.__all__) <= set(dir(msg))
+
+
+def test_public_names_carry_their_types_to_type_checkers(tmp_path):
+    """`__init__.pyi` lists the public names for mypy and IDEs, loaded lazily as they are:
+    a user's wrong argument is an error, not lost in Any."""
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import memory_saving_gradients as msg\n"
+        "budget: msg.MemoryBudget = msg.MemoryBudget(0.5)\n"
+        "msg.gradients([], [], checkpoints=budget, name=3)\n"
+        "msg.plan([], [], checkpoints=1.5)\n"
+        "msg.keras.enable(None, measure='yes')\n"
+        "msg.profiling.peak_memory(lambda: None, device=0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", str(user)],
+        cwd=ROOT,  # mypy finds this checkout's package first
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    errors = re.findall(r"user\.py:(\d+): error", result.stdout)
+    assert errors == ["3", "4", "5", "6"], result.stdout + result.stderr
 
 
 @pytest.mark.parametrize(

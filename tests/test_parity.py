@@ -15,7 +15,7 @@ from tensorflow.python.framework import function
 from tensorflow.python.ops import list_ops
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models.command import dtype_policy
+from memory_saving_gradients._src.models.command import dtype_policy
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,
@@ -59,7 +59,7 @@ def test_nested_tf_function_layers_under_patch(strategy):
 
     def checkpointed():
         y = loss()
-        plan = msg.plan(y, ws, strategy)
+        plan = msg.plan(y, ws, checkpoints=strategy)
         grads = tf.gradients(y, ws)
         assert_recomputes_where_it_pays(plan)
         recomputed.append(any("/recompute_" in op.name for op in grads[0].graph.get_operations()))
@@ -380,7 +380,7 @@ def test_variables_of_an_enclosing_graph_are_checkpointed_through_their_captures
             for w in ws:
                 h = tf.tanh(tf.matmul(h, w))
             loss = tf.reduce_sum(tf.square(h))
-            traced["plan"] = msg.plan(loss, ws, "memory")
+            traced["plan"] = msg.plan(loss, ws, checkpoints="memory")
             got = msg.gradients(loss, ws, checkpoints="memory")
             traced["recomputed"] = len(recomputed_copies(tf1.get_default_graph()))
             return tf.gradients(loss, ws), got

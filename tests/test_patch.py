@@ -9,7 +9,7 @@ from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
+from memory_saving_gradients._src import _tf
 from tests.helpers import assert_recomputes, assert_same_gradients, values
 
 tf1 = tf.compat.v1

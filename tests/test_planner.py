@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.planning import cut_search
+from memory_saving_gradients._src.analysis.view import ForwardView
+from memory_saving_gradients._src.planning import cut_search
 from tests.helpers import assert_same_gradients
 
 tf1 = tf.compat.v1

@@ -1,12 +1,14 @@
 """`msg.plan`: what a strategy keeps, its predicted cost, its table, and using it as it is."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
-from memory_saving_gradients.planning import tunables
+from memory_saving_gradients._src.models import zoo
+from memory_saving_gradients._src.planning import tunables
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_recomputes, assert_same_gradients, one_level
 
@@ -177,6 +179,67 @@ def weight_heavy_chain(depth: int = 16, width: int = 512, batch: int = 512):
     return weights, loss
 
 
+def kept(plan: msg.Plan) -> tuple[str, list[str]]:
+    return plan.strategy, [t.name for t in plan.checkpoints]
+
+
+@pytest.mark.parametrize(
+    "third",
+    ["name", "plan", "budget", "policy", "tensor names"],
+)
+def test_checkpoints_third_as_plan_took_them_still_plan_with_a_warning(third):
+    """`plan(ys, xs, checkpoints)`, the order plan had before it took gradients' (ys, xs,
+    grad_ys, checkpoints): where the third argument can only be checkpoints, it is taken as
+    them, and the warning points at the call."""
+    with tf.Graph().as_default():
+        _, weights, hidden, loss = chain()
+        checkpoints = {
+            "name": "speed",
+            "plan": msg.plan(loss, weights, checkpoints="speed"),
+            "budget": msg.MemoryBudget(0.5),
+            "policy": lambda view: hidden[3::4],
+            "tensor names": [t.name for t in hidden[3::4]],
+        }[third]
+        with pytest.warns(DeprecationWarning, match="pass checkpoints= by keyword") as caught:
+            old = msg.plan(loss, weights, checkpoints)
+        new = msg.plan(loss, weights, checkpoints=checkpoints)
+    assert kept(old) == kept(new)
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_checkpoints_then_grad_ys_as_plan_took_them_still_plan_with_a_warning():
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        seed = tf.constant(2.0)
+        with pytest.warns(DeprecationWarning, match="pass checkpoints= by keyword"):
+            old = msg.plan(loss, weights, "memory", [seed])
+        new = msg.plan(loss, weights, checkpoints="memory", grad_ys=[seed])
+        assert kept(old) == kept(new)
+        with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="2 grad_ys"):
+            msg.plan(loss, weights, "memory", [seed, seed])
+
+
+def test_tensors_third_are_grad_ys_as_in_gradients():
+    with tf.Graph().as_default():
+        _, weights, _, loss = chain()
+        seed = tf.constant(2.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            third = msg.plan(loss, weights, seed)
+        assert kept(third) == kept(msg.plan(loss, weights, grad_ys=seed))
+
+
+@pytest.mark.parametrize("mismatch", ["length", "shape"])
+def test_checkpoint_tensors_third_are_refused_as_grad_ys_naming_the_keyword(mismatch):
+    """Tensors third are grad_ys now: checkpoints passed there, as plan took them before,
+    do not match ys, and the error says to pass them by keyword."""
+    with tf.Graph().as_default():
+        _, weights, hidden, loss = chain()
+        tensors = {"length": hidden[3::4], "shape": [hidden[3]]}[mismatch]
+        with pytest.raises(ValueError, match="pass checkpoints= by keyword"):
+            msg.plan(loss, weights, tensors)
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["returned", "applied"])
 def test_predicted_peaks_count_gradients_as_the_step_keeps_them(held):
     """Returned from the step, every weight gradient lives to its end, and next to those 16
@@ -189,7 +252,7 @@ def test_predicted_peaks_count_gradients_as_the_step_keeps_them(held):
     @tf.function
     def step():
         value = loss()
-        plans.append(msg.plan(value, weights, "memory", gradients_held=held))
+        plans.append(msg.plan(value, weights, checkpoints="memory", gradients_held=held))
         grads = msg.gradients(value, weights, checkpoints="memory", gradients_held=held)
         if held:
             return grads
@@ -221,7 +284,7 @@ def test_memory_predicts_the_least_peak_of_every_strategy_on_the_zoo(name):
     def trace(*inputs):
         loss, _ = model.forward(*inputs)
         for strategy in ("memory", "speed", "balanced", msg.MemoryBudget(0.5)):
-            peaks[str(strategy)] = msg.plan(loss, model.trainable, strategy).peak_bytes
+            peaks[str(strategy)] = msg.plan(loss, model.trainable, checkpoints=strategy).peak_bytes
         return loss
 
     trace.get_concrete_function(*model.inputs)

@@ -3,8 +3,8 @@
 import pytest
 import tensorflow as tf
 
-from memory_saving_gradients.analysis import gradient_uses, kernels, queries
-from memory_saving_gradients.analysis.view import ForwardView
+from memory_saving_gradients._src.analysis import gradient_uses, kernels, queries
+from memory_saving_gradients._src.analysis.view import ForwardView
 
 tf1 = tf.compat.v1
 

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.planning import cut_search, tunables
+from memory_saving_gradients._src.planning import cut_search, tunables
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import assert_same_gradients, original_of, recomputed_copies, run_python
 
@@ -69,7 +69,9 @@ def budget_plan(fraction: float) -> msg.Plan:
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
         weights = weights_of()
-        return msg.plan(residual_sine_chain(x, weights), weights, msg.MemoryBudget(fraction))
+        return msg.plan(
+            residual_sine_chain(x, weights), weights, checkpoints=msg.MemoryBudget(fraction)
+        )
 
 
 def test_a_budget_too_tight_to_save_every_matmul_saves_the_earliest(monkeypatch):
@@ -205,7 +207,7 @@ def test_the_cut_search_counts_what_is_saved_before_each_segment():
 def test_zoo_selective_plans_give_tf_gradients(name):
     """Every matmul and convolution output saved inside the segments of the least-peak cuts,
     on the zoo's convolutional networks (batch norm, depthwise convolutions, concatenations)."""
-    from memory_saving_gradients.planning import policies, search
+    from memory_saving_gradients._src.planning import policies, search
     from tests.test_zoo import assert_close_to_scale, built, reference, run
 
     def selective(view):

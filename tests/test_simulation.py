@@ -8,11 +8,11 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.analysis import costs, gradient_uses, kernels
-from memory_saving_gradients.analysis.view import ForwardView
-from memory_saving_gradients.planning import simulation
-from memory_saving_gradients.planning.simulation import executor
-from memory_saving_gradients.planning.simulation.numbering import Numbering, kernel_seconds
+from memory_saving_gradients._src.analysis import costs, gradient_uses, kernels
+from memory_saving_gradients._src.analysis.view import ForwardView
+from memory_saving_gradients._src.planning import simulation
+from memory_saving_gradients._src.planning.simulation import executor
+from memory_saving_gradients._src.planning.simulation.numbering import Numbering, kernel_seconds
 
 
 def test_a_views_numbering_is_made_once_and_forgotten_with_the_view():
@@ -52,7 +52,7 @@ def test_independent_gradients_run_side_by_side_on_more_than_one_thread(
         x = tf.compat.v1.placeholder(tf.float32, [n, n])
         weights = [tf.Variable(tf.ones([n, n])) for _ in range(2)]
         loss = tf.add_n([tf.reduce_sum(tf.tanh(tf.tanh(x) @ w)) for w in weights])
-        plan = msg.plan(loss, [*weights, x], lambda view: msg.Plan(view, [], "plain"))
+        plan = msg.plan(loss, [*weights, x], checkpoints=lambda view: msg.Plan(view, [], "plain"))
     assert plan.plain_peak_bytes == pytest.approx(peak_mb * 1e6, abs=100)
 
 
@@ -101,7 +101,7 @@ def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
     @tf.function(jit_compile=True)
     def step():
         loss = tf.add_n([tf.reduce_sum(tf.tanh(tf.tanh(x) @ w)) for w in weights])
-        plan = msg.plan(loss, [*weights, x], lambda view: msg.Plan(view, [], "plain"))
+        plan = msg.plan(loss, [*weights, x], checkpoints=lambda view: msg.Plan(view, [], "plain"))
         peaks.append(plan.plain_peak_bytes)
         return loss
 

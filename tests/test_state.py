@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
-from memory_saving_gradients.analysis.view import why_not_recomputable
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.analysis.view import why_not_recomputable
 from tests.helpers import (
     assert_recomputes,
     assert_same_gradients,

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.integrations import tape as tape_module
+from memory_saving_gradients._src.integrations import tape as tape_module
 from tests.helpers import (
     assert_recomputes,
     assert_recomputes_where_it_pays,
@@ -79,7 +79,7 @@ def model_gradients(name: str, checkpoints):
             tape.watch(x)
             loss = tf.reduce_mean(tf.square(model(x, training=True)))
         sources = {"weights": model.trainable_variables, "input": x}
-        plan = msg.plan(loss, tf.nest.flatten(sources), checkpoints)
+        plan = msg.plan(loss, tf.nest.flatten(sources), checkpoints=checkpoints)
         got = tape.gradient(loss, sources)
         assert_recomputes_where_it_pays(plan)
         return reference.gradient(loss, sources), got

@@ -1,4 +1,4 @@
-"""Each TensorFlow private API in `memory_saving_gradients._tf` still does what we rely on.
+"""Each TensorFlow private API in `memory_saving_gradients._src._tf` still does what we rely on.
 
 When a TensorFlow release changes one of them, the test named after it fails here first.
 """
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.training import optimizer as v1_optimizer
 
-from memory_saving_gradients import _tf
+from memory_saving_gradients._src import _tf
 from tests.helpers import run_in_session as run
 from tests.helpers import run_python
 
@@ -425,6 +425,6 @@ def test_onednn_enabled_follows_tf_enable_onednn_opts():
     """On by default on x86, off in a process started with TF_ENABLE_ONEDNN_OPTS=0."""
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert _tf.onednn_enabled() is True
-    code = "from memory_saving_gradients import _tf; print(_tf.onednn_enabled())"
+    code = "from memory_saving_gradients._src import _tf; print(_tf.onednn_enabled())"
     output = run_python("-c", code, env={"TF_ENABLE_ONEDNN_OPTS": "0"})
     assert output.strip().splitlines()[-1] == "False"

@@ -70,7 +70,7 @@ def test_speed_recomputes_attention_scores_and_keeps_the_projections():
     @tf.function
     def step(x):
         loss = loss_of(x)
-        plan = msg.plan(loss, variables, "speed")
+        plan = msg.plan(loss, variables, checkpoints="speed")
         found["plan"] = plan
         return tf.gradients(loss, variables), msg.gradients(loss, variables, checkpoints=plan)
 
@@ -99,7 +99,7 @@ def test_attention_stack_holds_what_its_plan_predicts(checkpoints):
             if checkpoints is None:
                 gradients = tf.gradients(loss, variables)
             else:
-                predicted["plan"] = msg.plan(loss, variables, checkpoints)
+                predicted["plan"] = msg.plan(loss, variables, checkpoints=checkpoints)
                 gradients = msg.gradients(loss, variables, checkpoints=checkpoints)
             for w, g in zip(variables, gradients, strict=True):
                 w.assign_sub(1e-4 * g)

@@ -3,8 +3,8 @@ ones, through `msg.gradients`, the tape drop-in and Keras `fit`, with XLA left o
 
 XLA ignores control dependencies and merges identical computations; each step's recomputation
 reads its inputs through a data dependency on the gradient arriving there (NOTE [gates under
-XLA] in `memory_saving_gradients._tf`). Peaks are XLA CPU's, each against plain XLA measured in
-the same process. The GPU tests at the end skip without a GPU.
+XLA] in `memory_saving_gradients._src._tf`). Peaks are XLA CPU's, each against plain XLA
+measured in the same process. The GPU tests at the end skip without a GPU.
 """
 
 import json
@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import _tf
-from memory_saving_gradients.models import graphs as models
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.models import graphs as models
 from memory_saving_gradients.profiling import peak_memory
 from tests.helpers import (
     assert_recomputes,
@@ -83,7 +83,7 @@ def function_gradients(forward, variables, checkpoints, planned=None):
         if checkpoints == "plain":
             return tf.gradients(forward(x), variables)
         loss = forward(x)
-        plan = msg.plan(loss, variables, checkpoints)
+        plan = msg.plan(loss, variables, checkpoints=checkpoints)
         if planned is not None:
             planned["MiB"] = plan.peak_bytes / MiB
         return msg.gradients(loss, variables, checkpoints=plan)
@@ -227,7 +227,7 @@ def test_gradients_equal_plain_under_xla(model_fn, strategy):
     def step(x):
         ys, kept = model.forward(x)
         checkpoints = kept if strategy == "list" else STRATEGIES[strategy]
-        plan = msg.plan(ys, model.variables, checkpoints)
+        plan = msg.plan(ys, model.variables, checkpoints=checkpoints)
         got = msg.gradients(ys, model.variables, checkpoints=checkpoints)
         assert _tf.compiled_by_xla(tf1.get_default_graph())
         assert_recomputes_where_it_pays(plan)

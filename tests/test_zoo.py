@@ -1,4 +1,4 @@
-"""Model zoo: on real architectures (models/zoo.py), checkpointed gradients of a training loss
+"""Model zoo: on real architectures (_src/models/zoo.py), checkpointed gradients of a training loss
 equal tf.gradients' to float32 round-off, under every strategy, with TensorFlow's graph
 optimizers (and oneDNN's fusions) on.
 
@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
+from memory_saving_gradients._src.models import zoo
 from tests.helpers import assert_same_gradients, dense, recomputed_copies
 
 tf1 = tf.compat.v1

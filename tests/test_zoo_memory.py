@@ -1,5 +1,5 @@
 """'memory' needs the least memory of the one-level strategies, measured on the model zoo
-(models/zoo.py at `zoo.SMALL`, whose tensors TensorFlow's allocator statistics count).
+(_src/models/zoo.py at `zoo.SMALL`, whose tensors TensorFlow's allocator statistics count).
 
 Peaks come from a fresh interpreter (tests/zoo_peaks.py) with one inter-op thread, in which a
 step's peak repeats from step to step, and the step returns its gradients (held to its end).

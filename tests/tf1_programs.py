@@ -68,7 +68,7 @@ def test_reference_variables_and_unknown_batch(strategy):
         x, ws, loss = reference_variable_chain()
         assert all(w.dtype._is_ref_dtype for w in ws)
         reference = tf1.gradients(loss, ws)
-        plan = msg.plan(loss, ws, strategy)
+        plan = msg.plan(loss, ws, checkpoints=strategy)
         got = msg.gradients(loss, ws, checkpoints=strategy)
         assert_recomputes_where_it_pays(plan)
         with tf1.Session() as session:

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import zoo
+from memory_saving_gradients._src.models import zoo
 from memory_saving_gradients.profiling import peak_memory
 
 MIB = 2**20

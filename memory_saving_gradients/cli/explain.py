@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command as models
-from memory_saving_gradients.planning import tunables
+from memory_saving_gradients._src.models import command as models
+from memory_saving_gradients._src.planning import tunables
 
 #: What each named strategy keeps, in the words of its `checkpoints=` argument's user.
 WHY = {

@@ -10,7 +10,7 @@ On CPU nothing stops a step from allocating more than the limit: a value fits wh
 measured activation peak does. On a GPU the limit is real: the device is configured with that
 much memory (`start`) and a value fits when its step runs without running out.
 
-The search itself, and why it needs few probes, is `memory_saving_gradients.sizing`.
+The search itself, and why it needs few probes, is `memory_saving_gradients._src.sizing`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from memory_saving_gradients._src.models import command as models
+from memory_saving_gradients._src.sizing import Answer, Probe, search
 from memory_saving_gradients.cli import measure, runtime
-from memory_saving_gradients.models import command as models
-from memory_saving_gradients.sizing import Answer, Probe, search
 
 MIB = measure.MIB
 #: keras.RematScope modes `fit` measures, as `--baselines` names them.

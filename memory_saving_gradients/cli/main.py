@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memory_saving_gradients.models.command import Shape
+    from memory_saving_gradients._src.models.command import Shape
 
 STRATEGIES = ("speed", "memory", "balanced")
 BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
@@ -407,8 +407,8 @@ def _measure(args: argparse.Namespace, stem: str) -> int:
     shape, depths = _model_options(args, args.depths, "--depths")
     _check_writable(args.out)
     device = _start(args.device)
+    from memory_saving_gradients._src.models import command as models
     from memory_saving_gradients.cli import measure, report
-    from memory_saving_gradients.models import command as models
 
     chosen = measure.methods(args.strategies, args.budgets, args.baselines)
     print(_setting(args.model, shape, device, models.kind_of(args.model).depth_counts))
@@ -442,7 +442,7 @@ def _explain(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     """Search each method's largest value; print the table, write the CSV file and plot."""
     shape, depths = _model_options(args, [args.depth] if args.depth else None, "--depth")
-    from memory_saving_gradients.models import command as models
+    from memory_saving_gradients._src.models import command as models
 
     kind = models.kind_of(args.model)
     growable = [
@@ -519,7 +519,7 @@ def _model_options(
     Raises:
       _OptionError: the model does not exist, or does not take these sizes.
     """
-    from memory_saving_gradients.models import command as models
+    from memory_saving_gradients._src.models import command as models
 
     applications = models.application_names()
     if args.model not in models.KINDS and args.model not in applications:

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.models import command as models
-from memory_saving_gradients.planning import policies
+from memory_saving_gradients._src.models import command as models
+from memory_saving_gradients._src.planning import policies
+from memory_saving_gradients._src.planning.policies import CheckpointsArg
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MIB = 2**20
@@ -50,7 +51,7 @@ class Method:
     """
 
     name: str
-    checkpoints: object = None
+    checkpoints: CheckpointsArg | None = None
     recompute_blocks: bool = False
     checkpoint_block_layers: bool = False
     grappler: str | None = None
@@ -229,7 +230,9 @@ def _with_recompute_hints(graph: tf.Graph, names: set[str]) -> tf.Graph:
     return hinted
 
 
-def _train(model: models.Model, wrap: models.Wrap, checkpoints: object = None) -> tf.Tensor:
+def _train(
+    model: models.Model, wrap: models.Wrap, checkpoints: CheckpointsArg | None = None
+) -> tf.Tensor:
     """The loss, once SGD has applied the gradients (`tf.gradients`, or this library's with
     `checkpoints`). Sparse gradients are applied dense: the tables here are small."""
     loss = model.loss(wrap)

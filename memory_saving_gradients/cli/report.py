@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from memory_saving_gradients._src.planning import policies
 from memory_saving_gradients.cli.measure import PLAIN, Point
-from memory_saving_gradients.planning import policies
 
 #: Curves the plot fits to methods' peaks: plain's grows with depth, 'memory''s (nested
 #: recomputation on deep chains) with its logarithm.

@@ -1,0 +1,218 @@
+"""What an op's registered gradient function reads and makes, step by step.
+
+TensorFlow's gradient function for each kind of op is built once aside (`_tf.gradient_aside`),
+on placeholders standing for the op's tensors and its output gradients. Its ops computed at
+run time are the steps the executor runs: what each reads, makes and holds, and which steps
+each input's gradient needs, so the simulator can replay them kernel by kernel and the cost
+model can tell which of the op's tensors backprop keeps. Where it cannot be built (function
+calls, control flow, custom gradients) nothing is known (`gradient_use` gives None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.analysis import kernels, queries
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStep:
+    """One op of a gradient function built aside, as the executor runs it.
+
+    Attributes:
+      name: its name in the function, which is its name in backprop's scope for the op
+        (`gradients/<op>_grad/<name>`): what a profiled step's kernels are matched by.
+      outputs: ids of its output tensors.
+      sizes: bytes of each output.
+      reads: ids of the tensors it reads (those made outside the function at run time: the
+        output gradients and the forward tensors it captures; and earlier steps' outputs).
+      aliases: its output is its first input's buffer (reshapes, identities).
+      folded: it gives a shape that is static, so graph optimizers compute it ahead.
+      reuses_input: its output may take over an input buffer nothing else needs.
+      working: bytes its kernel holds for itself while it runs (`working_bytes`).
+    """
+
+    name: str
+    outputs: tuple[int, ...]
+    sizes: tuple[int, ...]
+    reads: tuple[int, ...]
+    aliases: bool
+    folded: bool
+    reuses_input: bool
+    working: int
+
+    @property
+    def computes(self) -> bool:
+        """Whether its kernel computes values, rather than a shape or a view of its input."""
+        return not (self.aliases or self.folded) and any(self.sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientUse:
+    """What an op's registered gradient function reads and makes, step by step.
+
+    Attributes:
+      reads: for each input, the (inputs, outputs) of the op, by index, that computing that
+        input's gradient reads beyond their shape; backprop holds them until it has run.
+      seeds: for each output of the op, the id of the placeholder standing for its gradient
+        (None for outputs that take none).
+      captured: (id, "in" or "out", index) of the placeholder standing for each of the op's
+        tensors the function reads.
+      needs: for each input, the indices of the steps its gradient needs.
+      steps: the function's ops computed at run time, in the order they were made (those
+        computed from constants alone are left out: graph optimizers fold them).
+      returned: for each input, the id of the tensor holding its gradient's values (None
+        where it has none).
+    """
+
+    reads: tuple[tuple[frozenset[int], frozenset[int]], ...]
+    seeds: tuple[int | None, ...]
+    captured: tuple[tuple[int, str, int], ...]
+    needs: tuple[frozenset[int], ...]
+    steps: tuple[GradientStep, ...]
+    returned: tuple[int | None, ...]
+
+    def kernels(self, wanted: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
+        """The `wanted` inputs grouped by the kernels making their gradients: two inputs share
+        a group where their gradients need a common step that computes something (not a
+        shape, not a reshape). The executor runs each group's kernels as soon as the
+        gradients arrive, independently of the others' (a convolution's input and filter
+        gradients), and each group's gradients are ready as its own kernels finish."""
+        groups: list[tuple[set[int], set[int]]] = []  # (inputs, their computing steps)
+        for index, want in enumerate(wanted):
+            if not want:
+                continue
+            inputs, computing = {index}, {s for s in self.needs[index] if self.steps[s].computes}
+            apart = []
+            for group in groups:
+                if group[1] & computing:
+                    inputs |= group[0]
+                    computing |= group[1]
+                else:
+                    apart.append(group)
+            groups = [*apart, (inputs, computing)]
+        return tuple(
+            tuple(sorted(inputs)) for inputs, _ in sorted(groups, key=lambda g: min(g[0]))
+        )
+
+
+#: What each kind of op's gradient reads and makes, for at most `KINDS_KEPT` kinds (a
+#: long-running process builds ever new ones); the oldest goes first.
+_GRADIENT_USES: dict[tuple, GradientUse | None] = {}
+KINDS_KEPT = 4096
+
+
+def gradient_use(op: tf.Operation) -> GradientUse | None:
+    """What `op`'s registered gradient reads and makes (None where unknown), found once for
+    each kind of op: type, attributes, input dtypes and shapes, and whether it runs on CPU
+    kernels."""
+    attrs = op.node_def.attr  # the NodeDef is serialized on each access
+    cpu = kernels.runs_cpu_kernels(op)
+    key = (
+        op.type,
+        tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
+        tuple((t.dtype, queries.static_shape(t)) for t in op.inputs),
+        cpu,
+    )
+    if key not in _GRADIENT_USES:
+        if len(_GRADIENT_USES) >= KINDS_KEPT:
+            del _GRADIENT_USES[next(iter(_GRADIENT_USES))]
+        aside = _tf.gradient_aside(op)
+        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu)
+    return _GRADIENT_USES[key]
+
+
+def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> GradientUse:
+    ops = aside.graph.get_operations()
+    runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
+    runtime.update(id(inner) for inner in aside.read.values())
+    steps: list[GradientStep] = []
+    step_of: dict[tf.Operation, int] = {}
+    size_of: dict[int, int] = {}  # bytes of the runtime tensors whose shapes tracing left open
+    for body_op in ops:
+        if body_op.type == "Placeholder" or not any(id(t) in runtime for t in body_op.inputs):
+            continue
+        runtime.update(id(t) for t in body_op.outputs)
+        shape_read = body_op.type in kernels.SHAPE_READERS
+        step_of[body_op] = len(steps)
+        sizes = tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs)
+        working = 0
+        if cpu and body_op.type in kernels.MATMULS:
+            read = [(t.dtype, size_of.get(id(t), kernels.tensor_bytes(t))) for t in body_op.inputs]
+            working = kernels.working_bytes(body_op.type, read, sizes)
+        steps.append(
+            GradientStep(
+                name=body_op.name,
+                outputs=tuple(id(t) for t in body_op.outputs),
+                sizes=sizes,
+                reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
+                aliases=body_op.type in kernels.ALIASING,
+                folded=body_op.type in kernels.SHAPE_OF
+                and all(t.shape.is_fully_defined() for t in body_op.inputs),
+                reuses_input=body_op.type in kernels.REUSES_INPUT_BUFFER,
+                working=working,
+            )
+        )
+    captured = tuple(
+        (id(inner), kind, index) for (kind, index), inner in _outer_and_inner(op, aside)
+    )
+    placeholder_of = {inner: (kind, index) for inner, kind, index in captured}
+    reads, needs, returned = [], [], []
+    for gradient in aside.input_gradients:
+        tensors = [] if gradient is None else tf.nest.flatten(gradient, expand_composites=True)
+        ancestors = _ancestors([t.op for t in tensors], within=step_of)
+        needs.append(frozenset(step_of[a] for a in ancestors))
+        read_inputs: set[int] = set()
+        read_outputs: set[int] = set()
+        for body_op in ancestors:
+            if body_op.type in kernels.SHAPE_READERS:
+                continue
+            for t in body_op.inputs:
+                outer = placeholder_of.get(id(t))
+                if outer is not None:
+                    (read_inputs if outer[0] == "in" else read_outputs).add(outer[1])
+        reads.append((frozenset(read_inputs), frozenset(read_outputs)))
+        values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        returned.append(None if gradient is None else id(values))
+    seeds = tuple(None if g is None else id(g) for g in aside.output_gradients)
+    return GradientUse(tuple(reads), seeds, captured, tuple(needs), tuple(steps), tuple(returned))
+
+
+def _step_bytes(tensor: tf.Tensor, size_of: dict[int, int]) -> int:
+    """Bytes a gradient step's output takes. Where tracing left its shape open (a transpose by
+    a computed permutation), it is taken to be as large as the largest runtime tensor the step
+    reads, as a gradient's steps move, reshape and combine what they read: counting each open
+    dimension as `UNKNOWN_DIM_SIZE` made a 4-d transpose 64**4 elements. `size_of` keeps the
+    bytes found for open shapes, for the steps that read them."""
+    if tensor.shape.is_fully_defined():
+        return kernels.tensor_bytes(tensor)
+    read = [
+        size_of.get(id(t), kernels.tensor_bytes(t)) // max(t.dtype.size, 1)
+        for t in tensor.op.inputs
+        if id(t) in size_of or (t.shape.is_fully_defined() and t.dtype.is_floating)
+    ]
+    size = max(read) * tensor.dtype.size if read else kernels.tensor_bytes(tensor)
+    size_of[id(tensor)] = size
+    return size
+
+
+def _outer_and_inner(op: tf.Operation, aside: _tf.GradientAside):
+    """(("in" or "out", index), placeholder) for each of `op`'s tensors the function reads."""
+    for kind, tensors in (("in", op.inputs), ("out", op.outputs)):
+        for index, t in enumerate(tensors):
+            if id(t) in aside.read:
+                yield (kind, index), aside.read[id(t)]
+
+
+def _ancestors(ops, within) -> set:
+    seen, stack = set(), [op for op in ops if op in within]
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs if t.op in within)
+    return seen

@@ -1,0 +1,538 @@
+"""Checkpointed backprop: differentiate the forward pass step by step, recomputing each segment.
+
+A `Schedule` gives the boundaries, the segments between them and the steps, each with the
+schedule nested inside it. Each call of TensorFlow's own gradient function differentiates one
+step and stops at the boundaries it reaches, returning the gradient that arrives at each of
+them.
+
+1. The ys are differentiated on the original forward ops, which are still in memory when the
+   backward pass starts, down to the first boundaries.
+2. Then each step's segments are copied and the copies differentiated, with the summed
+   gradients arriving at its boundaries as `grad_ys`. The copies read the boundaries through
+   the step's gate (NOTE [gates]), so that the executor recomputes a segment only once
+   backprop reaches it. A gate is private to its step, so TensorFlow's gradient call, which
+   walks everything downstream of what it differentiates against, walks that step only.
+3. A step with an inner schedule runs it on its copies: the inner steps copy the originals
+   once more, reading the outer copies and gates through gates of their own (`_Values` says
+   what stands for each tensor at each level).
+4. Gradient parts arriving at each boundary and each x are summed as `tf.gradients` sums them.
+   Ops that are not recomputed (variable reads) are differentiated as they ran, in the step
+   of their outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+
+import tensorflow as tf
+
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.analysis.arguments import Gradient
+from memory_saving_gradients._src.analysis.view import ForwardView
+from memory_saving_gradients._src.planning.schedule import Schedule, Segment, recomputed_repeatedly
+from memory_saving_gradients._src.rewriting import editor, gates, ordering
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """The `tf.gradients` arguments passed on to every step's gradient call."""
+
+    name: str = "gradients"
+    colocate_gradients_with_ops: bool = True
+    gate_gradients: bool = False
+    aggregation_method: object = None
+    stop_gradients: tuple[tf.Tensor, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """A tensor a gradient call differentiates against, whose gradient that gives, and whether
+    backprop stops there: at boundaries, which later steps take on from there; other xs, as
+    in `tf.gradients`, let it pass."""
+
+    tensor: tf.Tensor
+    gradient_of: tf.Tensor
+    stops: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """A gradient part a gradient call found, and the tensor it is for."""
+
+    gradient: Gradient
+    gradient_of: tf.Tensor
+
+
+# NOTE [gates]: a step that recomputes reads what was made before it (the boundaries its
+# copies read, the gradients arriving at its boundaries) through its gate, which passes each
+# of them on once all exist and once every gradient part found since the last gate exists.
+# So nothing is recomputed before backprop reaches the step (without the gate the executor
+# runs copies as soon as their inputs exist, during the forward pass, and holds them), and a
+# step starts only once the steps before it are done: the executor could otherwise leave
+# their weight gradients queued, or start a step while an independent branch's backprop is
+# still holding its activations. The backward pass runs one step at a time. A gate does not
+# wait for parts of a branch whose forward pass need not have run when its own gradients
+# arrive (`ForwardView.forward_before_gradients`): backprop from a loss seeded with constants
+# reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
+# step's boundaries through that forward pass, as plain backprop does not (the original
+# library's dual chain, tests/test_memory.py). A later gate waits for them.
+#
+# Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
+# BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
+# them). A fusion closes a cycle through a gate only if it merges an op before the gate with
+# an op after it, and fusions merge ops that read one another or read one tensor. Ops after a
+# gate read its outputs, their own step's copies and gradients, and constants; tensors made
+# before it are read afterwards only by later gates and by the AddN summing gradient parts,
+# and no fusion takes those in. Control dependencies alone give no such guarantee (a fused
+# op inherits the control edges of what it absorbed), and XLA ignores them. A step without
+# copies (variable reads) has no gate: it only passes arriving gradients on to kept tensors.
+
+
+class _Backprop:
+    """One checkpointed backward pass: TensorFlow's gradient calls and the parts they return."""
+
+    def __init__(self, view: ForwardView, options: GradientOptions, values: _Values) -> None:
+        self.view = view
+        self.options = options
+        self.values = values
+        self._parts: dict[object, list[Gradient]] = {}
+        #: Parts found since the last gate, which the next gate waits for.
+        self._unwaited: list[_Part] = []
+        #: The gates' outputs passing each tensor (by ref) on: they share its buffer.
+        self.passed: dict[object, list[tf.Tensor]] = {}
+
+    def has_gradient(self, tensor: tf.Tensor) -> bool:
+        return tensor.ref() in self._parts
+
+    def gradient(self, tensor: tf.Tensor) -> Gradient:
+        """Every part received for `tensor`, summed once when first read (colocated with the
+        op of what stands for `tensor` where gradients are colocated with their ops, as
+        TensorFlow sums)."""
+        parts = self._parts[tensor.ref()]
+        if len(parts) > 1:
+            op = self.values.of(tensor).op
+            with colocated(op, self.options.colocate_gradients_with_ops):
+                parts[:] = [_tf.sum_gradients(parts)]
+        return parts[0]
+
+    def step_inputs(
+        self, reached: Sequence[tf.Tensor], read: Sequence[tf.Tensor], scope: str
+    ) -> tuple[list[tf.Tensor], list[Gradient]]:
+        """What a step reads, passed through its gate (NOTE [gates]): the boundaries its
+        copies `read`, and the gradients arriving at the `reached` boundaries. The gate also
+        waits for every gradient part found since the last gate. A step that recomputes
+        nothing (variable reads) has no gate: its gradients are final as soon as they exist."""
+        incoming = [self.gradient(t) for t in reached]
+        if not read:
+            return [], incoming
+        waited, self._unwaited = self._waited_by(reached)
+        waited_parts = [part.gradient for part in waited]
+        arriving = _flat(incoming)
+        values = [self.values.of(t) for t in read]
+        gated, passed = gates.gate([*values, *arriving], arriving[0], _flat(waited_parts), scope)
+        gated_incoming = tf.nest.pack_sequence_as(
+            incoming, gated[len(read) :], expand_composites=True
+        )
+        passed_parts = tf.nest.pack_sequence_as(waited_parts, passed, expand_composites=True)
+        for part, value in zip(waited, passed_parts, strict=True):
+            parts = self._parts[part.gradient_of.ref()]
+            parts[:] = [value if p is part.gradient else p for p in parts]
+        return gated[: len(read)], gated_incoming
+
+    def _waited_by(self, reached: Sequence[tf.Tensor]) -> tuple[list[_Part], list[_Part]]:
+        """The parts found since the last gate that a step arriving at `reached` waits for
+        (NOTE [gates]), and the others: a part of a branch whose forward pass need not have
+        run when the step's gradients arrive is left to a later gate."""
+        ran = self.view.forward_before_gradients(reached)
+        waited: list[_Part] = []
+        left: list[_Part] = []
+        for part in self._unwaited:
+            needs = self.view.forward_before_gradients([part.gradient_of])
+            (left if needs & ~ran else waited).append(part)
+        return waited, left
+
+    def differentiate(
+        self,
+        ys: Sequence[tf.Tensor],
+        grad_ys: Sequence[Gradient | None] | None,
+        targets: Sequence[_Target],
+        copies: dict[tf.Operation, tf.Operation],
+        colocate: bool = True,
+        name: str = "segment",
+    ) -> None:
+        """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found; the
+        gradient ops are built under the name scope `name`.
+
+        The user's stop_gradients stop their copies too. Gradient ops are colocated with
+        their forward ops where the user asks for it and `colocate` (a step passing
+        gradients into variable reads does not: see `checkpointed_gradients`).
+        """
+        user_stops = self.options.stop_gradients
+        copied_stops = _copied(user_stops, copies)
+        graph = ys[0].graph
+        first_new = len(graph.get_operations())
+        gradients = _tf.tensorflow_gradients(
+            list(ys),
+            [target.tensor for target in targets],
+            None if grad_ys is None else list(grad_ys),
+            name=name,
+            colocate_gradients_with_ops=self.options.colocate_gradients_with_ops and colocate,
+            gate_gradients=self.options.gate_gradients,
+            aggregation_method=self.options.aggregation_method,
+            stop_gradients=[*user_stops, *copied_stops],
+            boundaries=[target.tensor for target in targets if target.stops],
+        )
+        made = graph.get_operations()[first_new:]
+        self._read_recomputed(made, copies)
+        self.receive(targets, gradients)
+        kept_parts = [
+            gradient
+            for target, gradient in zip(targets, gradients, strict=True)
+            if gradient is not None and target.gradient_of.op not in self.view.recomputable
+        ]
+        ordering.weight_gradients_first([t.op for t in _flat(kept_parts)], made)
+
+    def _read_recomputed(
+        self, made: Sequence[tf.Operation], copies: Mapping[tf.Operation, tf.Operation]
+    ) -> None:
+        """Make the ops of one gradient call that read forward tensors of the pass they
+        differentiate read what stands for them (NOTE [gradients closing over forward
+        tensors]): `copies`' outputs, else the `values` of this level."""
+        for op in made:
+            for index, tensor in enumerate(op.inputs):
+                copy = copies.get(tensor.op)
+                stand_in = (
+                    copy.outputs[tensor.value_index]
+                    if copy is not None
+                    else self.values.of(tensor)
+                )
+                if stand_in is not tensor and tensor.op in self.view.position:
+                    _tf.replace_input(op, index, stand_in)
+
+    def receive(self, targets: Sequence[_Target], gradients: Sequence[Gradient | None]) -> None:
+        """Keep the gradient parts found for `targets`."""
+        for target, gradient in zip(targets, gradients, strict=True):
+            if gradient is not None:
+                self._parts.setdefault(target.gradient_of.ref(), []).append(gradient)
+                self._unwaited.append(_Part(gradient, target.gradient_of))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Values:
+    """What stands for the tensors of a schedule's view in the backward pass being built: the
+    forward pass's own tensors at the top level; inside a step with an inner schedule, the
+    step's recomputed copies and its gates (nested recomputation copies the originals again,
+    reading those)."""
+
+    copies: dict[tf.Operation, tf.Operation] = dataclasses.field(default_factory=dict)
+    gated: dict[object, tf.Tensor] = dataclasses.field(default_factory=dict)
+
+    def of(self, tensor: tf.Tensor) -> tf.Tensor:
+        if tensor.ref() in self.gated:
+            return self.gated[tensor.ref()]
+        if tensor.op in self.copies:
+            return self.copies[tensor.op].outputs[tensor.value_index]
+        return tensor
+
+
+def checkpointed_gradients(
+    schedule: Schedule, grad_ys: Sequence[Gradient | None] | None, options: GradientOptions
+) -> list[Gradient | None]:
+    """Gradients of the ys of `schedule.view` with respect to its xs (None where unconnected),
+    running `schedule`: keeping its boundaries from the forward pass, and recomputing each
+    step's segment, keeping only its inner schedule's boundaries where it has one (nested
+    recomputation). Weight ops wait for their readers (NOTE [weight ops wait for their
+    readers] in analysis/view.py): in the forward pass where it runs in a function, and in
+    every copy."""
+    view = schedule.view
+    waits = view.weight_op_waits
+    if not view.weight_ops_run_early:
+        for op, before_reader in waits.items():
+            _tf.add_control_inputs(op, before_reader)
+    return _run(schedule, view.ys, grad_ys, options, _Values(), waits)
+
+
+def _run(
+    schedule: Schedule,
+    ys: Sequence[tf.Tensor],
+    grad_ys: Sequence[Gradient | None] | None,
+    options: GradientOptions,
+    values: _Values,
+    waits: Mapping[tf.Operation, Sequence[tf.Operation]],
+    last_scope: str = "segment",
+) -> list[Gradient | None]:
+    """Backprop from `ys` (of `schedule.view`; `grad_ys` arriving at them) into its xs, with
+    `values` standing for its tensors; gradient parts are kept by the tensor they are for.
+    Copies of the ops of `waits` wait for those of the ops it gives. The last segment's
+    gradients are built under `last_scope`, where its copies are (NOTE [names of recomputed
+    ops])."""
+    view = schedule.view
+    _report_repeated_recomputation(view, schedule.checkpoints)
+    user_stopped = {t.op for t in options.stop_gradients}
+    backprop = _Backprop(view, options, values)
+
+    with ys[0].graph.name_scope(options.name) as scope:
+        last = schedule.last
+        y_refs = {y.ref() for y in ys}
+        targeted = {t.ref() for t in (*last.frontier, *last.xs)}
+        xs_of_ys = [x for x in view.xs if x.ref() in y_refs and x.ref() not in targeted]
+        ys_targets = [
+            *(_Target(values.of(t), t) for t in last.frontier),
+            *(_Target(values.of(x), x, stops=False) for x in last.xs),
+            *(_Target(values.of(x), x, stops=schedule.is_boundary(x)) for x in xs_of_ys),
+        ]
+        backprop.differentiate(
+            [values.of(y) for y in ys], grad_ys, ys_targets, {}, name=last_scope
+        )
+        for depth, step in enumerate(schedule.steps):
+            reached = [
+                t
+                for op in step.boundary_ops
+                if op not in user_stopped
+                for t in op.outputs
+                if schedule.is_boundary(t) and backprop.has_gradient(t)
+            ]
+            if not reached:
+                continue
+            reached_ops = tuple(dict.fromkeys(t.op for t in reached))
+            segment = (
+                step.segment
+                if reached_ops == step.boundary_ops
+                else Segment.union([schedule.segments[op] for op in reached_ops])
+            )
+            read = [t for t in segment.frontier if any(op in segment.ops for op in t.consumers())]
+            gated_reads, incoming = backprop.step_inputs(
+                reached, [*read, *segment.saved], f"{scope}step_{depth}/"
+            )
+            gated = {t.ref(): gate for t, gate in zip(read, gated_reads[: len(read)], strict=True)}
+            for t, gate in zip([*read, *segment.saved], gated_reads, strict=True):
+                backprop.passed.setdefault(t.ref(), []).append(gate)
+            saved = {
+                t.op: gate for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
+            }
+            recompute_scope = f"{scope}recompute_{depth}/"  # NOTE [names of recomputed ops]
+            copies = editor.copy_ops(
+                sorted(segment.ops, key=view.position.__getitem__),
+                recompute_scope,
+                gated,
+                values.copies,
+                stand_in=functools.partial(_saved_in, saved),
+                waits=waits,
+            )
+            targets = _targets(segment, gated, values)
+            if step.inner is not None:
+                inner_options = dataclasses.replace(
+                    options,
+                    stop_gradients=(
+                        *options.stop_gradients,
+                        *_copied(options.stop_gradients, copies),
+                    ),
+                )
+                inner_values = _Values({**values.copies, **copies}, gated)
+                gradients = _run(
+                    step.inner,
+                    reached,
+                    incoming,
+                    inner_options,
+                    inner_values,
+                    waits,
+                    recompute_scope,
+                )
+                # The inner backward pass ends at its xs, the tensors this step gates.
+                of_xs = {x.ref(): g for x, g in zip(step.inner.view.xs, gradients, strict=True)}
+                backprop.receive(
+                    targets,
+                    [
+                        of_xs.get(t.gradient_of.ref()) if _gates(t, gated) else None
+                        for t in targets
+                    ],
+                )
+            else:
+                # A step without copies passes gradients into variable reads, which carry
+                # no device under a distribution strategy: its gradients go on the caller's
+                # device (an all-reduce needs one), and are placed as TensorFlow's when
+                # passed on (`_released_after_reads`).
+                step_ys = [
+                    copies[t.op].outputs[t.value_index] if t.op in copies else values.of(t)
+                    for t in reached
+                ]
+                backprop.differentiate(
+                    step_ys, incoming, targets, copies, colocate=bool(copies), name=recompute_scope
+                )
+
+        gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
+        placement = {}
+        for x in view.xs:
+            arrived = [backprop.gradient(r) for r in view.reads_of(x) if backprop.has_gradient(r)]
+            if arrived:
+                placement[x.ref()] = _flat(arrived[:1])[0]
+        return _released_after_reads(view, gradients, backprop.passed, scope, placement, values)
+
+
+# NOTE [gradients closing over forward tensors]: TensorFlow's gradient functions read the
+# inputs and outputs of the op they differentiate, which for a recomputed segment are its
+# copies. A `tf.custom_gradient` function instead closes over the forward tensors it was
+# called with (`tf.nn.silu`, Keras's `silu` and `swish`): differentiating its copy builds
+# ops reading the original tensors, which then stay alive from the forward pass until that
+# gradient runs (a chain of silu layers, tests/test_memory.py).
+# So the ops each gradient call makes are rerouted from forward tensors of the view to what
+# stands for them at that point: the step's copies, the gates passing its boundaries on.
+
+
+# NOTE [names of recomputed ops]: the gradients of a step's copies are built under the scope
+# the copies are named in, as TensorFlow names gradients after their ops: a copy is `P/name`,
+# a gradient of it `P/P/name_grad/...`, so the two compare by name as the original and its
+# gradient under `tf.gradients` do (`name` against `gradients/...`). Grappler's rewrites depend
+# on that order: common subgraph elimination sorts the inputs of commutative ops by name, and
+# constant push-down then moves a constant onto the second. In the gradient of a scaled
+# softmax, `(g - sum) * softmax * scale`, it pairs the scale with the incoming gradient under
+# `tf.gradients`; were copies and their gradients named under unrelated scopes, it would pair
+# the scale with the softmax, and `softmax * scale` would run as soon as the softmax is
+# recomputed and hold an attention-sized buffer until the gradient arrives
+# (tests/test_gradients.py checks the scaled softmax's gradient is built as tf.gradients has
+# it).
+
+
+# NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
+# gradient exists, and a weight gradient exists before the data gradient beside it (NOTE
+# [weight gradients first]), which still reads the variable's value. A variable whose buffer
+# is still read cannot be updated in place: TensorFlow copies it to a new buffer (15 of 16
+# updates of an SGD step on a 16-layer chain), a transient the size of the variable, and the
+# variables move in memory every step, so the allocator's free blocks, and its peak, differ
+# from step to step. So each x's gradient is passed on only once every op of this backward
+# pass reading x's value (directly, or through a gate) has run.
+def _released_after_reads(
+    view: ForwardView,
+    gradients: list[Gradient | None],
+    passed: dict,
+    scope: str,
+    placement: dict[object, tf.Tensor],
+    values: _Values,
+) -> list[Gradient | None]:
+    """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
+    the variable read of x, or a gate passing either on; as `values` stand for them, gates
+    by the ref of what they pass) have run, and placed like the
+    gradient that arrived at x's first variable read (`placement`, by ref) where x has one:
+    a read passes its gradient on unchanged, so that is where TensorFlow's is. The step
+    passing gradients into reads runs uncolocated (variable reads may have no device)."""
+    released = []
+    for x, gradient in zip(view.xs, gradients, strict=True):
+        readers = {
+            reader
+            for tensor in (x, *view.reads_of(x))
+            for alias in (values.of(tensor), *passed.get(tensor.ref(), ()))
+            for reader in alias.consumers()
+            if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
+        }
+        like = placement.get(x.ref())
+        if gradient is None or not (readers or like is not None):
+            released.append(gradient)
+            continue
+        with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
+            released.append(
+                tf.nest.map_structure(
+                    lambda t, like=like: _passed_on(t, like), gradient, expand_composites=True
+                )
+            )
+    return released
+
+
+def _passed_on(tensor: tf.Tensor, like: tf.Tensor | None = None) -> tf.Tensor:
+    """An identity of `tensor`, placed and colocated like it, or like `like`."""
+    with gates.placed_like(tensor if like is None else like):
+        return tf.identity(tensor)
+
+
+def colocated(op: tf.Operation, colocate: bool):
+    """A scope building ops colocated with `op`, where `colocate`; else none."""
+    return (
+        op.graph.colocate_with(op, ignore_existing=True) if colocate else contextlib.nullcontext()
+    )
+
+
+# NOTE [saved inside segments]: a tensor saved inside a segment is read from the forward pass
+# (through the step's gate) by the copies of its readers, and its op is copied only for the
+# gradient function, which reads that copy's inputs (recomputed) and never its output (only
+# such ops are saved: `schedule.saveable`). The readers read it through a pass-through that
+# is differentiated as that copy, so the step's one gradient call goes on through it into the
+# recomputed ops behind, and the copy itself, whose output nothing reads, never runs.
+def _saved_in(
+    gates_of: dict[tf.Operation, tf.Tensor], op: tf.Operation, copy: tf.Operation
+) -> tf.Tensor | None:
+    """What the copies reading `copy`'s output read instead where `op` makes a saved tensor:
+    its gate (in `gates_of`, by op), differentiated as `copy` (NOTE [saved inside
+    segments]); None where `op`'s output is not saved."""
+    gate = gates_of.get(op)
+    if gate is None:
+        return None
+    with _tf.outside_caller_scopes(copy.graph), gates.placed_like(copy.outputs[0]):
+        return _tf.differentiated_as(gate, copy)
+
+
+def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:
+    """The copies of those of `tensors` whose ops were copied."""
+    return [copies[t.op].outputs[t.value_index] for t in tensors if t.op in copies]
+
+
+def _targets(segment: Segment, gated: dict[object, tf.Tensor], values: _Values) -> list[_Target]:
+    """What a step's gradient call differentiates against: the gates its copies read, the
+    boundaries its originals read, and the xs it reads (as `values` stand for them)."""
+    targets = []
+    for tensor in segment.frontier:
+        if tensor.ref() in gated and _tf.is_differentiable(tensor):
+            targets.append(_Target(gated[tensor.ref()], tensor))
+        if any(reader in segment.originals for reader in tensor.consumers()):
+            targets.append(_Target(values.of(tensor), tensor))
+    targets.extend(_Target(values.of(x), x, stops=False) for x in segment.xs)
+    return targets
+
+
+def _gates(target: _Target, gated: dict[object, tf.Tensor]) -> bool:
+    """Whether `target` is the gate passing on what it is the gradient of."""
+    gate = gated.get(target.gradient_of.ref())
+    return gate is not None and target.tensor is gate
+
+
+def _report_repeated_recomputation(view: ForwardView, checkpoints: Sequence[tf.Tensor]) -> None:
+    repeated = recomputed_repeatedly(view, checkpoints)
+    if repeated:
+        names = sorted(op.name for op in repeated)
+        logger.warning(
+            "%d ops are recomputed in several segments, e.g. %s: a path between checkpoints "
+            "is not cut by any checkpoint. Checkpoints on that path, or checkpoints='memory', "
+            "recompute each op once.",
+            len(names),
+            names[:3],
+        )
+
+
+def plain_gradients(
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    grad_ys: Sequence[Gradient | None] | None,
+    options: GradientOptions,
+    unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+) -> list[Gradient | None]:
+    """What `tf.gradients` gives, nothing recomputed."""
+    return _tf.tensorflow_gradients(
+        list(ys),
+        list(xs),
+        None if grad_ys is None else list(grad_ys),
+        name=options.name,
+        colocate_gradients_with_ops=options.colocate_gradients_with_ops,
+        gate_gradients=options.gate_gradients,
+        aggregation_method=options.aggregation_method,
+        stop_gradients=list(options.stop_gradients),
+        unconnected_gradients=unconnected_gradients,
+    )
+
+
+def _flat(gradients: Sequence[Gradient]) -> list[tf.Tensor]:
+    """The dense tensors of `gradients` (an IndexedSlices has several)."""
+    return tf.nest.flatten(list(gradients), expand_composites=True)

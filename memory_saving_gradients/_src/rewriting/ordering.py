@@ -1,0 +1,154 @@
+"""The order of the ops one gradient call made: which weight gradients run before the data
+gradients beside them (NOTE [weight gradients first])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import tensorflow as tf
+
+from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.analysis import kernels
+
+
+# NOTE [weight gradients first]: a weight gradient (a Conv2DBackpropFilter) reads an
+# activation and the gradient arriving at its op; the data gradient beside it (a
+# Conv2DBackpropInput) reads the same arriving gradient and makes a new tensor the size of
+# that activation. Run in that order, the activation is freed before its gradient exists;
+# the executor, left free, sometimes runs the data gradient first and lets the weight
+# gradient lag, holding both (a U-Net's peak varied by a third between processes). So each
+# weight gradient part runs before the other readers of the gradients it reads that its call
+# made, unless such a reader is its ancestor (a part summing two gradients reads one of them
+# and the other's producer). The order serializes what plain backprop runs side by side on
+# the executor's threads, so a convolution's filter gradient is left free where its lag
+# measured nothing: where another gradient holds the activation anyway (a ReLU's reads its
+# output), the filter gradient is smaller than the data gradient, and the data gradient's
+# reader waits for nothing else (not a sum with other branches' gradients, which holds it
+# the longer the earlier it runs). Serializing every convolution's filter gradient costs
+# time at the same peak (benchmarks/fit_frontier.py times the residual CNN's 'speed').
+# Matrix products keep the order: left free, their weight gradients fall behind the data
+# gradients' chain, each holding its activation (tests/test_memory.py, the
+# weight-gradients-first tests).
+def weight_gradients_first(
+    part_ops: Collection[tf.Operation], made: Sequence[tf.Operation]
+) -> None:
+    """Order the ops making weight-gradient parts (`part_ops`) among the ops one gradient
+    call `made` (NOTE [weight gradients first])."""
+    order = _Order(made)
+    for op in part_ops:
+        siblings = {
+            reader
+            for t in op.inputs
+            if t.op in order
+            for reader in t.consumers()
+            if reader in order and reader not in part_ops
+        }
+        if _may_lag(op, siblings, order):
+            continue
+        for reader in siblings:
+            if not order.reaches(reader, op):
+                _tf.add_control_inputs(reader, [op])
+                order.add_edge(op, reader)
+
+
+class _Order:
+    """The ops one gradient call made, in an order every edge between them follows: data
+    edges, control edges (`gate_gradients` groups an op's input gradients behind one
+    `group_deps`) and the waits added here. TensorFlow makes ops after their inputs, so the
+    order starts as the order of making; an added wait that goes against it moves the ops
+    between its two ends as little as keeps every edge forward (Pearce and Kelly's dynamic
+    topological order). So `reaches` searches only between the two ops' places."""
+
+    def __init__(self, made: Sequence[tf.Operation]) -> None:
+        self._place = {op: i for i, op in enumerate(made)}
+        self._readers: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
+        self._waited_for: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
+        for op in made:
+            for before in {*(t.op for t in op.inputs), *op.control_inputs}:
+                if before in self._place:
+                    self._readers[before].append(op)
+                    self._waited_for[op].append(before)
+
+    def __contains__(self, op: tf.Operation) -> bool:
+        return op in self._place
+
+    def reaches(self, start: tf.Operation, end: tf.Operation) -> bool:
+        """Whether `end` waits, through edges between made ops, for `start`."""
+        return end in self._between(
+            start, self._readers, lambda op: self._place[op] <= self._place[end]
+        )
+
+    def add_edge(self, before: tf.Operation, after: tf.Operation) -> None:
+        """Record that `after` now waits for `before` (which must not wait for `after`)."""
+        self._readers[before].append(after)
+        self._waited_for[after].append(before)
+        low, high = self._place[after], self._place[before]
+        if low > high:
+            return
+        ahead = self._between(after, self._readers, lambda op: self._place[op] <= high)
+        behind = self._between(before, self._waited_for, lambda op: self._place[op] >= low)
+        moved = sorted(behind, key=self._place.__getitem__) + sorted(
+            ahead, key=self._place.__getitem__
+        )
+        for op, place in zip(moved, sorted(self._place[op] for op in moved), strict=True):
+            self._place[op] = place
+
+    @staticmethod
+    def _between(
+        start: tf.Operation,
+        edges: Mapping[tf.Operation, Sequence[tf.Operation]],
+        within: Callable[[tf.Operation], bool],
+    ) -> set[tf.Operation]:
+        """The ops reached from `start` along `edges`, through ops `within` allows."""
+        seen, stack = set(), [start]
+        while stack:
+            op = stack.pop()
+            if op in seen:
+                continue
+            seen.add(op)
+            stack.extend(next_op for next_op in edges[op] if within(next_op))
+        return seen
+
+
+def _may_lag(gradient: tf.Operation, siblings: set[tf.Operation], order: _Order) -> bool:
+    """Whether the weight `gradient`, a filter gradient, may run beside its `siblings` (ops of
+    `order`): another of them holds what it reads from outside (the forward pass's tensors
+    and their copies) for more than its shape, and it makes less than each sibling, whose
+    output goes straight on."""
+    if gradient.type not in _FILTER_GRADIENTS:
+        return False
+    held_anyway = any(
+        reader in order and reader is not gradient and reader.type not in kernels.SHAPE_READERS
+        for t in gradient.inputs
+        if t.op not in order
+        for reader in t.consumers()
+    )
+    made = sum(kernels.tensor_bytes(t) for t in gradient.outputs)
+    return held_anyway and all(
+        made < sum(kernels.tensor_bytes(t) for t in sibling.outputs)
+        and _goes_straight_on(sibling, order)
+        for sibling in siblings
+    )
+
+
+def _goes_straight_on(gradient: tf.Operation, order: _Order) -> bool:
+    """Whether what `gradient` makes is read by ops of `order` that wait for nothing else
+    of theirs but what `gradient` itself waited for (a sum with the gradients of other
+    branches would hold it the longer the earlier it runs)."""
+    return all(
+        t.op not in order
+        or t.op is gradient
+        or t.op.type in _GIVEN_AHEAD
+        or order.reaches(t.op, gradient)
+        for out in gradient.outputs
+        for reader in out.consumers()
+        if reader in order
+        for t in reader.inputs
+    )
+
+
+#: Convolutions' weight gradients measured to keep up beside their data gradients (the
+#: residual CNN, ResNet50, the U-Net, Inception, DenseNet121, MobileNetV2).
+_FILTER_GRADIENTS = frozenset({"Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter"})
+#: Ops whose values are ready before the gradients reading them: shapes and constants.
+_GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
