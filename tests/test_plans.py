@@ -316,7 +316,9 @@ def test_memory_tries_the_nested_plans_of_larger_model_peaks_a_budget_finds():
     def trace(x):
         loss = tf.reduce_mean(tf.square(model(x, training=True)))
         for checkpoints in ("memory", msg.MemoryBudget(0.4)):
-            plans[str(checkpoints)] = msg.plan(loss, model.trainable_variables, checkpoints)
+            plans[str(checkpoints)] = msg.plan(
+                loss, model.trainable_variables, checkpoints=checkpoints
+            )
         return loss
 
     trace.get_concrete_function(tf.TensorSpec([8, 32, 32, 16]))
