@@ -18,9 +18,9 @@ import pytest
 import tensorflow as tf
 
 from memory_saving_gradients._src.models import command as models
-from memory_saving_gradients.cli import main as cli_main
-from memory_saving_gradients.cli import runtime
-from memory_saving_gradients.cli.main import DTYPES, main
+from memory_saving_gradients.cli import options, runtime
+from memory_saving_gradients.cli.main import main
+from memory_saving_gradients.cli.options import DTYPES
 from tests.helpers import ROOT, run_python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -219,7 +219,7 @@ def test_version_is_the_installed_distributions(capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["--version"])
     assert stopped.value.code == 0
-    installed = importlib.metadata.version(cli_main.DISTRIBUTION)
+    installed = importlib.metadata.version(options.DISTRIBUTION)
     assert capsys.readouterr().out == f"memory-saving-gradients {installed}\n"
 
 
@@ -230,11 +230,11 @@ def test_version_outside_an_install_is_the_packages_own(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert cli_main.version() == f"{memory_saving_gradients.__version__} (not installed)"
+    assert options.version() == f"{memory_saving_gradients.__version__} (not installed)"
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli_main._parser()
+    parser = options.parser()
     (choices,) = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(choices)
 

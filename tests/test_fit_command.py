@@ -210,6 +210,6 @@ def test_a_limit_is_required(capsys):
     [("2GiB", 2 * 2**30), ("1.5 MB", 1_500_000), ("64mib", 64 * 2**20), ("512B", 512)],
 )
 def test_limits_take_binary_and_decimal_units(text, expected):
-    from memory_saving_gradients.cli.main import _bytes
+    from memory_saving_gradients.cli.options import amount_of_memory
 
-    assert _bytes(text) == expected
+    assert amount_of_memory(text) == expected
