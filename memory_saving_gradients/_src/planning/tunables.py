@@ -33,8 +33,8 @@ BUDGET_BISECTIONS = 6
 LEAST_PEAK_BISECTIONS = 6
 #: Model peaks also tried at these shares of the way from the least any cuts allow to one
 #: level's least: bisection tries shares of a half and below, and nested plans for larger
-#: model peaks, nesting less, may simulate lower (a residual CNN's plan at seven eighths held
-#: a tenth less and recomputed a fifth less than any bisected one).
+#: model peaks, nesting less, may simulate lower and recompute less (tests/test_plans.py, six
+#: residual blocks).
 LEAST_PEAK_SHARES = (0.625, 0.75, 0.875)
 #: One level's cuts are also tried for these multiples of its least model peak: the
 #: simulated peak does not rise steadily with the model's (an Inception block's is lower
