@@ -189,3 +189,17 @@ def test_the_code_passes_its_checkers(check):
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_view_a_policy_is_given_holds_what_policies_choose_from():
+    """`ForwardView` is documented as what a policy sees: how the executor runs the step
+    around it (what only the rewrite and the simulator use) lives in `Execution`."""
+    import dataclasses
+
+    members = {name for name in dir(msg.ForwardView) if not name.startswith("_")}
+    members |= {field.name for field in dataclasses.fields(msg.ForwardView)}
+    assert members == {
+        "ys", "xs", "ops", "recomputable", "must_keep", "reused", "given_grad_ys",
+        "gradients_held", "measured", "enclosing", "build", "costs", "weight_ops", "is_weight",
+        "is_x", "bytes", "position", "order", "consumers", "kept_for_variable_reads",
+    }  # fmt: skip

@@ -10,9 +10,7 @@ they were computed in the forward pass.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import operator
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -65,9 +63,11 @@ def why_not_recomputable(op: tf.Operation, xs_ops: frozenset[tf.Operation]) -> s
     return None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ForwardView:
-    """The ops between xs and ys, which of them may be recomputed, and what must be kept.
+    """The ops between xs and ys, which of them may be recomputed, and what must be kept:
+    what a checkpointing policy is given to choose its checkpoints from (the strategies,
+    budgets and a user's own callable alike).
 
     Attributes:
       ys, xs: the differentiated tensors and the tensors differentiated against.
@@ -97,7 +97,7 @@ class ForwardView:
     given_grad_ys: bool = False
     gradients_held: bool = False
     measured: MeasuredCosts | None = None
-    enclosing: ForwardView | None = dataclasses.field(default=None, repr=False, compare=False)
+    enclosing: ForwardView | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -201,87 +201,21 @@ class ForwardView:
         """The recomputable ops computed from variables' values and constants alone (a kernel
         cast to half precision, a transposed weight). Nothing but the variables holds them
         back, so the executor runs them as a step starts (NOTE [weight ops wait for their
-        readers])."""
+        readers] in `execution.py`)."""
         found: set[tf.Operation] = set()
         for op in self.ops:
             if (
                 op in self.recomputable
                 and op.inputs
-                and all(t.op in found or _is_weight_value(t) for t in op.inputs)
+                and all(t.op in found or is_weight_value(t) for t in op.inputs)
             ):
                 found.add(op)
         return frozenset(found)
 
-    @cached_property
-    def made_outside(self) -> tuple[tf.Tensor, ...]:
-        """Tensors the view's ops read that the step makes outside the view: a dropout's
-        mask, drawn from a seed no x leads to, or a padding mask cast from the inputs. Not
-        resident before the step and never recomputed, each is alive from the forward pass
-        until its readers' gradients have read it."""
-        found = {}
-        for op in self.ops:
-            for t in op.inputs:
-                if (
-                    t.op not in self.position
-                    and not self.is_x(t)
-                    and t.dtype not in (tf.resource, tf.variant)
-                    and _allocated_in_step(t)
-                ):
-                    found[t.ref()] = t
-        return tuple(found.values())
-
     def is_weight(self, tensor: tf.Tensor) -> bool:
         """Whether `tensor` is there, or computable, before a step starts: a variable's
         value, a constant, or an output of `weight_ops`."""
-        return _is_weight_value(tensor) or tensor.op in self.weight_ops
-
-    @cached_property
-    def weight_op_waits(self) -> dict[tf.Operation, tuple[tf.Operation, ...]]:
-        """For each of the first `weight_ops` of a chain that one matmul or convolution past
-        the chain reads, the ops it is to wait for: those making the inputs of the ops making
-        that reader's other inputs (NOTE [weight ops wait for their readers]). Chains read by
-        several ops are left free."""
-        weights = self.weight_ops
-
-        def made_by(op: tf.Operation) -> list[tf.Operation]:
-            return [t.op for t in op.inputs if t.op not in weights and not _is_weight_value(t)]
-
-        waits = {}
-        for op in self.ops:
-            if op not in weights or any(t.op in weights for t in op.inputs):
-                continue
-            reader = _only_reader_past(op, weights)
-            if reader is None or reader.type not in kernels.CONTRACTIONS:
-                continue
-            before = tuple(dict.fromkeys(w for maker in made_by(reader) for w in made_by(maker)))
-            if before:
-                waits[op] = before
-        return waits
-
-    @property
-    def weight_ops_run_early(self) -> bool:
-        """Whether the forward pass runs `weight_ops` as the step starts, not made to wait: in
-        a tf.compat.v1 graph, whose ops a Session may have run already (NOTE [weight ops wait
-        for their readers])."""
-        return bool(self.ops) and not self.ops[0].graph.building_function
-
-    @cached_property
-    def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
-        """The tensors whose gradients are those of xs: the xs and their `reads_of`."""
-        return (*self.xs, *(out for x in self.xs for out in self.reads_of(x)))
-
-    def reads_of(self, x: tf.Tensor) -> list[tf.Tensor]:
-        """The floating-point outputs of the variable reads of `x` (a resource read, or the
-        identity reading a TF1 reference variable), not recomputed: their gradients pass on
-        to `x` unchanged. Other ops reading a variable (a gather, a function call capturing
-        it) make gradients of their own."""
-        return [
-            out
-            for op in dict.fromkeys(self.consumers(x))
-            if op not in self.recomputable and op.type in VARIABLE_READS
-            for out in op.outputs
-            if out.dtype.is_floating
-        ]
+        return is_weight_value(tensor) or tensor.op in self.weight_ops
 
     @cached_property
     def _x_refs(self) -> frozenset:
@@ -309,58 +243,8 @@ class ForwardView:
         """The ops of this view that read `tensor`."""
         return [op for op in tensor.consumers() if op in self.position]
 
-    def forward_before_gradients(self, tensors: Sequence[tf.Tensor]) -> int:
-        """The ops that have run once the gradients arriving at `tensors` exist, as a bitset
-        of their positions: each op whose gradient, on the way from the ys to `tensors`,
-        reads forward values (`OpCost.saved_inputs`, `saved_outputs`; an unknown gradient
-        reads them all), and every op it is computed from. Backprop from a loss seeded with
-        constants reaches an independent branch (one chain of `a + b`) before the forward
-        pass of the other has run."""
-        return functools.reduce(
-            operator.or_,
-            (self._forward_below[op] for t in tensors for op in self.consumers(t)),
-            0,
-        )
 
-    @cached_property
-    def _forward_below(self) -> dict[tf.Operation, int]:
-        """For each op, `forward_before_gradients` of its outputs with its own gradient (a
-        TF1 loop's back edges left out)."""
-        above: dict[tf.Operation, int] = {}
-        for op in self.ops:
-            above[op] = functools.reduce(
-                operator.or_,
-                (above[t.op] for t in op.inputs if t.op in above),
-                1 << self.position[op],
-            )
-        below: dict[tf.Operation, int] = {}
-        for op in reversed(self.ops):
-            cost = self.costs[op]
-            reads_forward = cost.gradient is None or cost.saved_inputs or cost.saved_outputs
-            below[op] = functools.reduce(
-                operator.or_,
-                # .get: a TF1 loop's NextIteration feeds the Merge before it
-                (below.get(reader, 0) for out in op.outputs for reader in self.consumers(out)),
-                above[op] if reads_forward else 0,
-            )
-        return below
-
-
-# NOTE [weight ops wait for their readers]: an op computed from variables alone, such as
-# the half-precision copy of a kernel Keras casts under a mixed-precision policy, is ready
-# as soon as a step starts, and TensorFlow's executor runs every ready op: every kernel copy
-# of a mixed-precision model is then held while its first blocks run, and each step
-# recomputing a segment does the same at its gate (tests/test_memory.py, the kernel-cast
-# tests). So the rewrite makes the first op of each chain a matmul or convolution reads wait
-# (a control dependency) for the ops one before its reader: for what the ops making the
-# reader's other inputs read. Not for those ops themselves, which graph
-# optimizers may merge into the reader (oneDNN folds a Pad into the convolution reading it):
-# the merged op would inherit the dependency and wait for its own input (a cycle). It waits
-# in the forward pass where that runs in a function, and in every recomputed copy.
-# A tf.compat.v1 graph's forward ops are left as they are, as a Session that has run them
-# ignores changes to them (and warns); the simulator runs them first there. Chains read by
-# several ops, and small weights read by other ops (biases, scales), are left free.
-def _is_weight_value(tensor: tf.Tensor) -> bool:
+def is_weight_value(tensor: tf.Tensor) -> bool:
     """Whether `tensor` is a variable's value or a constant: there before a step starts."""
     op = tensor.op
     if op.type == "Const":
@@ -368,27 +252,6 @@ def _is_weight_value(tensor: tf.Tensor) -> bool:
     return op.type in VARIABLE_READS and any(
         t.dtype == tf.resource or t.dtype != t.dtype.base_dtype for t in op.inputs
     )
-
-
-def _allocated_in_step(tensor: tf.Tensor) -> bool:
-    """Whether `tensor` takes a buffer of its own while a step runs: its op has inputs, is no
-    variable read, and is no alias (an identity, a reshape) of what was there before."""
-    while tensor.op.type in kernels.ALIASING and tensor.op.inputs:
-        tensor = tensor.op.inputs[0]
-    op = tensor.op
-    return bool(op.inputs) and op.type not in kernels.RESIDENT and not _is_weight_value(tensor)
-
-
-def _only_reader_past(op: tf.Operation, chain: frozenset[tf.Operation]) -> tf.Operation | None:
-    """The one op past `chain` that reads what `op` starts, following ops of `chain` that
-    each have one reader; None where some op on the way has another number of readers."""
-    while True:
-        readers = {reader for out in op.outputs for reader in out.consumers()}
-        if len(readers) != 1:
-            return None
-        (op,) = readers
-        if op not in chain:
-            return op
 
 
 #: Below this fraction of a view's kernels found in a profile, it was likely of another graph.

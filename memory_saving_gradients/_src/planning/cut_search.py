@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis import costs, kernels
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import tunables
 
@@ -349,10 +350,10 @@ def _flat(positions: Sequence[int], start: int) -> Cuts:
 
 def _held_gradients(view: ForwardView, position: dict[tf.Operation, int]) -> np.ndarray:
     """`Order.gradients` for gradients held to the end of the step. The gradient of each of
-    `view.gradients_of_xs` exists once backprop reaches the last recomputable op reading it
+    `Execution.gradients_of_xs` exists once backprop reaches the last recomputable op reading it
     (the end of the pass where none does)."""
     gradients = np.zeros(len(position))
-    for tensor in view.gradients_of_xs:
+    for tensor in execution_of(view).gradients_of_xs:
         if tensor.dtype.is_floating:
             readers = [position[op] for op in view.consumers(tensor) if op in position]
             gradients[: max(readers, default=len(position) - 1) + 1] += kernels.tensor_bytes(

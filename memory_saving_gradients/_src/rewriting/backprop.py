@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis.arguments import Gradient
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment, recomputed_repeatedly
 from memory_saving_gradients._src.rewriting import editor, gates, ordering
@@ -78,7 +79,7 @@ class _Part:
 # their weight gradients queued, or start a step while an independent branch's backprop is
 # still holding its activations. The backward pass runs one step at a time. A gate does not
 # wait for parts of a branch whose forward pass need not have run when its own gradients
-# arrive (`ForwardView.forward_before_gradients`): backprop from a loss seeded with constants
+# arrive (`Execution.forward_before_gradients`): backprop from a loss seeded with constants
 # reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
 # step's boundaries through that forward pass, as plain backprop does not (the original
 # library's dual chain, tests/test_memory.py). A later gate waits for them.
@@ -149,11 +150,12 @@ class _Backprop:
         """The parts found since the last gate that a step arriving at `reached` waits for
         (NOTE [gates]), and the others: a part of a branch whose forward pass need not have
         run when the step's gradients arrive is left to a later gate."""
-        ran = self.view.forward_before_gradients(reached)
+        execution = execution_of(self.view)
+        ran = execution.forward_before_gradients(reached)
         waited: list[_Part] = []
         left: list[_Part] = []
         for part in self._unwaited:
-            needs = self.view.forward_before_gradients([part.gradient_of])
+            needs = execution.forward_before_gradients([part.gradient_of])
             (left if needs & ~ran else waited).append(part)
         return waited, left
 
@@ -248,11 +250,12 @@ def checkpointed_gradients(
     running `schedule`: keeping its boundaries from the forward pass, and recomputing each
     step's segment, keeping only its inner schedule's boundaries where it has one (nested
     recomputation). Weight ops wait for their readers (NOTE [weight ops wait for their
-    readers] in analysis/view.py): in the forward pass where it runs in a function, and in
+    readers] in analysis/execution.py): in the forward pass where it runs in a function, and in
     every copy."""
     view = schedule.view
-    waits = view.weight_op_waits
-    if not view.weight_ops_run_early:
+    execution = execution_of(view)
+    waits = execution.weight_op_waits
+    if not execution.weight_ops_run_early:
         for op, before_reader in waits.items():
             _tf.add_control_inputs(op, before_reader)
     return _run(schedule, view.ys, grad_ys, options, _Values(), waits)
@@ -369,7 +372,11 @@ def _run(
         gradients = [backprop.gradient(x) if backprop.has_gradient(x) else None for x in view.xs]
         placement = {}
         for x in view.xs:
-            arrived = [backprop.gradient(r) for r in view.reads_of(x) if backprop.has_gradient(r)]
+            arrived = [
+                backprop.gradient(r)
+                for r in execution_of(view).reads_of(x)
+                if backprop.has_gradient(r)
+            ]
             if arrived:
                 placement[x.ref()] = _flat(arrived[:1])[0]
         return _released_after_reads(view, gradients, backprop.passed, scope, placement, values)
@@ -425,7 +432,7 @@ def _released_after_reads(
     for x, gradient in zip(view.xs, gradients, strict=True):
         readers = {
             reader
-            for tensor in (x, *view.reads_of(x))
+            for tensor in (x, *execution_of(view).reads_of(x))
             for alias in (values.of(tensor), *passed.get(tensor.ref(), ()))
             for reader in alias.consumers()
             if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import costs, kernels
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning.simulation import executor, replay
 from memory_saving_gradients._src.planning.simulation.ledger import Buffer, Ledger
@@ -31,6 +32,7 @@ class Simulator:
         self, view: ForwardView, updates_copy: bool = False, limit: float = math.inf
     ) -> None:
         self.view = view
+        self.execution = execution_of(view)
         #: Whether an update copies its variable (plain `tf.gradients`: see the package's
         #: docstring).
         self.updates_copy = updates_copy
@@ -62,15 +64,15 @@ class Simulator:
         self.readers_left: dict[int, int] = (
             {}
             if view.gradients_held
-            else {t: self.ids.readers[t] for t in self.tensor_ids(view.gradients_of_xs)}
+            else {t: self.ids.readers[t] for t in self.tensor_ids(self.execution.gradients_of_xs)}
         )
 
     def made_outside(self) -> None:
-        """Hold what the step makes outside the view for the view's ops (`ForwardView.
+        """Hold what the step makes outside the view for the view's ops (`Execution.
         made_outside`) from its start to its end: it needs nothing the view makes, so the
         executor makes it as the step starts (a dropout's mask, from the seed the step reads),
         and the gradients of its readers read it (a select's reads its condition)."""
-        for tensor in self.view.made_outside:
+        for tensor in self.execution.made_outside:
             self.ledger.new(kernels.tensor_bytes(tensor))
 
     def seed(self) -> None:
@@ -120,10 +122,10 @@ class Simulator:
     def forward_order(self) -> list[int]:
         """The positions of the view's ops in the order the forward pass runs them: in
         topological order, but for weight ops that nothing makes wait, which run as the step
-        starts (NOTE [weight ops wait for their readers] in analysis/view.py)."""
+        starts (NOTE [weight ops wait for their readers] in analysis/execution.py)."""
         view = self.view
         order = list(range(len(view.ops)))
-        if not view.weight_ops_run_early:
+        if not self.execution.weight_ops_run_early:
             return order
         early = view.weight_ops | {t.op for op in view.weight_ops for t in op.inputs}
         return sorted(order, key=lambda position: view.ops[position] not in early)

@@ -1,0 +1,182 @@
+"""How TensorFlow runs a step around a view's ops: what the simulator and the rewrite need to
+know beyond what a checkpointing policy decides on (`ForwardView`).
+
+That is: which tensors the step makes outside the view for its ops, when the ops computed
+from weights alone run, which forward ops have run once given gradients arrive, and where
+the gradients of the xs arrive (at the xs' variable reads).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from collections.abc import Sequence
+from functools import cached_property
+
+import tensorflow as tf
+
+from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis.view import VARIABLE_READS, ForwardView, is_weight_value
+
+
+class Execution:
+    """How the executor runs the step a view is taken from (`execution_of` gives the one of
+    a view)."""
+
+    def __init__(self, view: ForwardView) -> None:
+        self.view = view
+
+    @cached_property
+    def made_outside(self) -> tuple[tf.Tensor, ...]:
+        """Tensors the view's ops read that the step makes outside the view: a dropout's
+        mask, drawn from a seed no x leads to, or a padding mask cast from the inputs. Not
+        resident before the step and never recomputed, each is alive from the forward pass
+        until its readers' gradients have read it."""
+        view = self.view
+        found = {}
+        for op in view.ops:
+            for t in op.inputs:
+                if (
+                    t.op not in view.position
+                    and not view.is_x(t)
+                    and t.dtype not in (tf.resource, tf.variant)
+                    and _allocated_in_step(t)
+                ):
+                    found[t.ref()] = t
+        return tuple(found.values())
+
+    @cached_property
+    def weight_op_waits(self) -> dict[tf.Operation, tuple[tf.Operation, ...]]:
+        """For each of the first `ForwardView.weight_ops` of a chain that one matmul or
+        convolution past the chain reads, the ops it is to wait for: those making the inputs
+        of the ops making that reader's other inputs (NOTE [weight ops wait for their
+        readers]). Chains read by several ops are left free."""
+        weights = self.view.weight_ops
+
+        def made_by(op: tf.Operation) -> list[tf.Operation]:
+            return [t.op for t in op.inputs if t.op not in weights and not is_weight_value(t)]
+
+        waits = {}
+        for op in self.view.ops:
+            if op not in weights or any(t.op in weights for t in op.inputs):
+                continue
+            reader = _only_reader_past(op, weights)
+            if reader is None or reader.type not in kernels.CONTRACTIONS:
+                continue
+            before = tuple(dict.fromkeys(w for maker in made_by(reader) for w in made_by(maker)))
+            if before:
+                waits[op] = before
+        return waits
+
+    @property
+    def weight_ops_run_early(self) -> bool:
+        """Whether the forward pass runs `ForwardView.weight_ops` as the step starts, not made
+        to wait: in a tf.compat.v1 graph, whose ops a Session may have run already (NOTE
+        [weight ops wait for their readers])."""
+        ops = self.view.ops
+        return bool(ops) and not ops[0].graph.building_function
+
+    def reads_of(self, x: tf.Tensor) -> list[tf.Tensor]:
+        """The floating-point outputs of the variable reads of `x` (a resource read, or the
+        identity reading a TF1 reference variable), not recomputed: their gradients pass on
+        to `x` unchanged. Other ops reading a variable (a gather, a function call capturing
+        it) make gradients of their own."""
+        view = self.view
+        return [
+            out
+            for op in dict.fromkeys(view.consumers(x))
+            if op not in view.recomputable and op.type in VARIABLE_READS
+            for out in op.outputs
+            if out.dtype.is_floating
+        ]
+
+    @cached_property
+    def gradients_of_xs(self) -> tuple[tf.Tensor, ...]:
+        """The tensors whose gradients are those of xs: the xs and their `reads_of`."""
+        xs = self.view.xs
+        return (*xs, *(out for x in xs for out in self.reads_of(x)))
+
+    def forward_before_gradients(self, tensors: Sequence[tf.Tensor]) -> int:
+        """The ops that have run once the gradients arriving at `tensors` exist, as a bitset
+        of their positions: each op whose gradient, on the way from the ys to `tensors`,
+        reads forward values (`OpCost.saved_inputs`, `saved_outputs`; an unknown gradient
+        reads them all), and every op it is computed from. Backprop from a loss seeded with
+        constants reaches an independent branch (one chain of `a + b`) before the forward
+        pass of the other has run."""
+        return functools.reduce(
+            operator.or_,
+            (self._forward_below[op] for t in tensors for op in self.view.consumers(t)),
+            0,
+        )
+
+    @cached_property
+    def _forward_below(self) -> dict[tf.Operation, int]:
+        """For each op, `forward_before_gradients` of its outputs with its own gradient (a
+        TF1 loop's back edges left out)."""
+        view = self.view
+        above: dict[tf.Operation, int] = {}
+        for op in view.ops:
+            above[op] = functools.reduce(
+                operator.or_,
+                (above[t.op] for t in op.inputs if t.op in above),
+                1 << view.position[op],
+            )
+        below: dict[tf.Operation, int] = {}
+        for op in reversed(view.ops):
+            cost = view.costs[op]
+            reads_forward = cost.gradient is None or cost.saved_inputs or cost.saved_outputs
+            below[op] = functools.reduce(
+                operator.or_,
+                # .get: a TF1 loop's NextIteration feeds the Merge before it
+                (below.get(reader, 0) for out in op.outputs for reader in view.consumers(out)),
+                above[op] if reads_forward else 0,
+            )
+        return below
+
+
+_EXECUTIONS: weakref.WeakKeyDictionary[ForwardView, Execution] = weakref.WeakKeyDictionary()
+
+
+def execution_of(view: ForwardView) -> Execution:
+    """The `Execution` of `view`, made once per view: planning simulates many schedules of
+    one view, and the rewrite asks at every step."""
+    found = _EXECUTIONS.get(view)
+    if found is None:
+        found = _EXECUTIONS.setdefault(view, Execution(view))
+    return found
+
+
+# NOTE [weight ops wait for their readers]: an op computed from variables alone, such as
+# the half-precision copy of a kernel Keras casts under a mixed-precision policy, is ready
+# as soon as a step starts, and TensorFlow's executor runs every ready op: every kernel copy
+# of a mixed-precision model is then held while its first blocks run, and each step
+# recomputing a segment does the same at its gate (tests/test_memory.py, the kernel-cast
+# tests). So the rewrite makes the first op of each chain a matmul or convolution reads wait
+# (a control dependency) for the ops one before its reader: for what the ops making the
+# reader's other inputs read. Not for those ops themselves, which graph
+# optimizers may merge into the reader (oneDNN folds a Pad into the convolution reading it):
+# the merged op would inherit the dependency and wait for its own input (a cycle). It waits
+# in the forward pass where that runs in a function, and in every recomputed copy.
+# A tf.compat.v1 graph's forward ops are left as they are, as a Session that has run them
+# ignores changes to them (and warns); the simulator runs them first there. Chains read by
+# several ops, and small weights read by other ops (biases, scales), are left free.
+def _only_reader_past(op: tf.Operation, chain: frozenset[tf.Operation]) -> tf.Operation | None:
+    """The one op past `chain` that reads what `op` starts, following ops of `chain` that
+    each have one reader; None where some op on the way has another number of readers."""
+    while True:
+        readers = {reader for out in op.outputs for reader in out.consumers()}
+        if len(readers) != 1:
+            return None
+        (op,) = readers
+        if op not in chain:
+            return op
+
+
+def _allocated_in_step(tensor: tf.Tensor) -> bool:
+    """Whether `tensor` takes a buffer of its own while a step runs: its op has inputs, is no
+    variable read, and is no alias (an identity, a reshape) of what was there before."""
+    while tensor.op.type in kernels.ALIASING and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    op = tensor.op
+    return bool(op.inputs) and op.type not in kernels.RESIDENT and not is_weight_value(tensor)
