@@ -6,10 +6,12 @@ parses, which are checked before any model is built.
     memory-saving-gradients explain --model ResNet50 --strategies memory balanced
     memory-saving-gradients fit --model resnet --limit 64MiB --grow batch
     memory-saving-gradients bench --model chain --dtype mixed_bfloat16
+    memory-saving-gradients bench --suite chain fit [--quick] [--results DIR]
     memory-saving-gradients --version
 
 Tables go to stdout, progress to stderr; `demo`, `bench` and `fit` also write a CSV file and,
-with matplotlib installed (the `demo` extra), a plot.
+with matplotlib installed (the `demo` extra), a plot; `bench --suite` writes results pages
+(`cli.suites`).
 """
 
 from __future__ import annotations
@@ -74,7 +76,44 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _suites(args)
+    if args.quick:
+        raise OptionError("--quick", "sizes the suites: give it with --suite")
     return _measure(args, stem=f"bench-{args.model}")
+
+
+def _suites(args: argparse.Namespace) -> int:
+    """Run each suite named and write its page; the suites choose their own models."""
+    given = [
+        option
+        for option, value in (
+            ("--model", args.model != "chain"),
+            ("--depths", args.depths),
+            ("--batch", args.batch),
+            ("--width", args.width),
+            ("--size", args.size),
+        )
+        if value
+    ]
+    if given:
+        raise OptionError(
+            given[0], "a suite measures its own models and sizes: leave it out with --suite"
+        )
+    _check_writable(args.results, "--results")
+    device = _start(args.device)
+    from memory_saving_gradients.cli import suites
+
+    options = [
+        *(["--quick"] if args.quick else []),
+        *(["--device", args.device] if args.device != "auto" else []),
+    ]
+    for name in args.suite:
+        _progress(f"suite {name}: {suites.SUITES[name]}")
+        start = time.perf_counter()
+        page = suites.run(name, args.results, device, args.quick, options)
+        print(f"wrote {page} ({time.perf_counter() - start:.0f} s)")
+    return 0
 
 
 def _measure(args: argparse.Namespace, stem: str) -> int:
@@ -239,7 +278,7 @@ def _model_options(
     return shape, depths
 
 
-def _check_writable(folder: Path) -> None:
+def _check_writable(folder: Path, option: str = "--out") -> None:
     probe = folder / ".memory-saving-gradients-probe"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -247,7 +286,7 @@ def _check_writable(folder: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise OptionError(
-            "--out",
+            option,
             f"cannot write to {folder}: {error.strerror}; give a folder that can be made and "
             "written to",
         ) from None

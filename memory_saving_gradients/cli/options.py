@@ -9,6 +9,8 @@ import importlib.metadata
 import re
 from pathlib import Path
 
+from memory_saving_gradients.cli.suites import SUITES
+
 STRATEGIES = ("speed", "memory", "balanced")
 BASELINES = ("recompute_grad", "grappler-heuristics", "grappler-manual")
 #: What `bench --baselines` may name besides: per-block checkpoints (keras-hub causal LMs).
@@ -33,6 +35,9 @@ FIT_DEFAULT_BASELINES = ("recompute_grad", "remat-full", "remat-activations")
 #: The sizes `fit` can grow: every model's batch, the depth of models made of blocks, the
 #: transformer's sequence length.
 GROWABLE = ("batch", "depth", "length")
+#: Where `bench --suite` writes its pages and plots unless --results says otherwise: the
+#: results pages of the docs.
+SUITE_RESULTS = Path("docs/results")
 #: The most `fit` grows a size to unless --max says otherwise.
 FIT_MAX = 2**20
 #: Multiples of a byte that --limit takes.
@@ -144,6 +149,28 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_device(bench)
     _add_out(bench)
+    bench.add_argument(
+        "--suite",
+        nargs="+",
+        choices=list(SUITES),
+        metavar="NAME",
+        help="run these named suites instead, each at its own models and sizes, and write "
+        "each one's results page (tables, plots, machine, versions and date) into --results: "
+        + "; ".join(f"{name}: {what}" for name, what in SUITES.items())
+        + " (default: none, measure --model at --depths)",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="with --suite: at small sizes, a minute or two each on two CPU cores",
+    )
+    bench.add_argument(
+        "--results",
+        type=Path,
+        default=SUITE_RESULTS,
+        metavar="DIR",
+        help="with --suite: folder for each suite's page and plots, made if missing",
+    )
     bench.set_defaults(command="bench", parser=bench)
 
     explain = commands.add_parser(
