@@ -4,7 +4,7 @@ from their constructors at small sizes (nothing is downloaded; keras-hub is the 
 `[hub]`).
 
 Each builder returns a `Task`: the model (not compiled), the arrays `fit` takes (several
-batches), its loss and the optimizer the benchmarks train it with. Every value comes from a
+batches), its loss and the optimizer the tests and suites train it with. Every value comes from a
 seed, so that a task built twice trains the same.
 """
 

@@ -1,6 +1,6 @@
 """A zoo of real Keras architectures, written the way users write them, at the sizes of a
 `Scale`: toy ones for gradient parity of whole training losses (tests/test_zoo.py), larger ones
-for memory tests and benchmarks (tests/test_zoo_memory.py, benchmarks/determinism.py).
+for memory tests and suites (tests/test_zoo_memory.py, `bench --suite determinism`).
 
 Each builder creates its variables eagerly and returns a `ZooModel`: `forward(*inputs)`, called
 inside a `tf.function`, builds the training-mode forward pass and returns the scalar loss and

@@ -100,8 +100,8 @@ def within_budget(
     Simulating plans is most of what planning costs, so the sets are searched in the order
     of the least their plans can recompute (the plan for the largest model peak the budget
     allows, built but not simulated), and the search stops at a set that cannot recompute
-    less than the best plan found (1000-block MLP of `benchmarks/build_time.py`, 'balanced':
-    eight sets, of which the first searched wins).
+    less than the best plan found (the 1000-block residual MLP of `bench --suite build_time`,
+    'balanced': eight sets, of which the first searched wins).
     """
     if budget >= plain:
         return Plan(view, [()], label, plain)

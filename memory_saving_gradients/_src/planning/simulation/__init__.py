@@ -12,7 +12,7 @@ pass keeps the boundaries and each step recomputes its segments, nested where th
 (`peaks`). Peaks count bytes above what is resident before the step.
 
 What this counts and what it leaves out, with the mechanisms behind each, is
-docs/internals/memory-model.md; benchmarks/cost_model.py and benchmarks/measured_costs.py set
+docs/internals/memory-model.md; `bench --suite predictions` (`cli/suites/predictions.py`) sets
 predictions against measured peaks.
 """
 
