@@ -22,10 +22,17 @@ from memory_saving_gradients._src.analysis.view import VARIABLE_READS, ForwardVi
 
 class Execution:
     """How the executor runs the step a view is taken from (`execution_of` gives the one of
-    a view)."""
+    a view). It holds its view weakly: kept per view, it would otherwise keep every view, and
+    the graph of each, alive."""
 
     def __init__(self, view: ForwardView) -> None:
-        self.view = view
+        self._view = weakref.ref(view)
+
+    @property
+    def view(self) -> ForwardView:
+        view = self._view()
+        assert view is not None, "a view's Execution is used only while the view is"
+        return view
 
     @cached_property
     def made_outside(self) -> tuple[tf.Tensor, ...]:
