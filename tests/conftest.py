@@ -19,7 +19,19 @@ if TF1_BEHAVIOUR:
     tf.compat.v1.disable_v2_behavior()
 
 
+#: Files of one test each that runs for minutes in a fresh interpreter: collected first, so
+#: that with pytest-xdist (`-n 2 --dist loadfile`, the README's test command) each worker
+#: starts on one of them and they run beside the rest of the suite, not after it.
+RUN_FIRST = ("test_tf1_behaviour.py", "test_keras_hub.py")
+
+
+def _run_first_index(item: pytest.Item) -> int:
+    name = item.path.name
+    return RUN_FIRST.index(name) if name in RUN_FIRST else len(RUN_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_run_first_index)
     if not TF1_BEHAVIOUR:
         return
     skip = pytest.mark.skip(reason="needs TF2 behaviour (eager execution or Keras 3)")
