@@ -60,7 +60,8 @@ def run(page: Page, quick: bool, device: str) -> None:
     chosen = measure.methods(["memory", "balanced"], [], ["recompute_grad"])
     points = measure.sweep("chain", shape, size.depths, chosen, setting, progress)
     _sweep_table(page, points)
-    page.plot("depth", lambda path: report.plot(points, path, described), "memory and time")
+    plain_text = described.replace("`", "")
+    page.plot("depth", lambda path: report.plot(points, path, plain_text), "memory and time")
     page.text(f"## Budgets at depth {size.frontier_depth}")
     chosen = measure.methods(["memory", "balanced"], size.budgets, ["recompute_grad"])
     predicted = predicted_ratios(size.frontier_depth, shape, chosen)
@@ -80,7 +81,7 @@ def run(page: Page, quick: bool, device: str) -> None:
         ],
     )
     frontier = [(p.method, p.memory_ratio, p.time_ratio) for p in points]
-    title = f"{described}, depth {size.frontier_depth}"
+    title = f"{plain_text}, depth {size.frontier_depth}"
     page.plot(
         "frontier",
         lambda path: plots.frontier(frontier, path, title, joined="MemoryBudget"),
