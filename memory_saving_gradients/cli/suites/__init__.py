@@ -22,6 +22,8 @@ SUITES = {
     "against measured ones, and the allocator's rounding",
     "determinism": "how far peaks move between steps of the model zoo, and what the "
     "allocator rounds",
+    "mixed_precision": "'memory' against plain under a Keras mixed-precision policy and in "
+    "float32, on the model zoo",
     "fit": "Keras fit: each method's peak in a process of its own, its prediction and its "
     "step time",
     "xla": "memory and time with XLA off and on, in fresh and grown allocators",

@@ -122,9 +122,19 @@ def run(page: Page, quick: bool, device: str) -> None:
 
 
 def measure_model(
-    name: str, scale: dict[str, int], steps: int, repeats: int, device: str
+    name: str,
+    scale: dict[str, int],
+    steps: int,
+    repeats: int,
+    device: str,
+    dtype: str = "float32",
+    configs: list[str] | None = None,
+    profile: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """Every configuration of zoo model `name`, in a fresh interpreter."""
+    """Each configuration of `configs` (default: every one; plain first) of zoo model
+    `name` under the Keras dtype policy `dtype`, profiled once each where `profile`, in a
+    fresh interpreter."""
+    import keras
     import tensorflow as tf
 
     import memory_saving_gradients as msg
@@ -133,23 +143,26 @@ def measure_model(
     from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
     tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+    keras.mixed_precision.set_global_policy(dtype)
     isolated.grow_allocator(GROWN_MIB, device)
     model = zoo.ALL[name](zoo.Scale(**scale))
     runs, found = {}, {}
-    for config, named in CONFIGS.items():
+    for config in configs or CONFIGS:
+        named = CONFIGS[config]
         checkpoints = msg.MemoryBudget(named) if isinstance(named, float) else named
         plan: dict[str, Any] = {}
         run = _gradient_step(model, checkpoints, plan)
         run()
         runs[config] = run
-        peaks = [peak_memory(run, device, warmup=0) / MIB for _ in range(steps)]
-        traced = trace.profiled(run, device)
         found[config] = {
-            "peaks": peaks,
-            "requested": traced.requested_peak / MIB,
-            "rounding": (traced.peak - traced.requested_at_peak) / MIB,
+            "peaks": [peak_memory(run, device, warmup=0) / MIB for _ in range(steps)],
             **plan,
         }
+        if not profile:
+            continue
+        traced = trace.profiled(run, device)
+        found[config]["requested"] = traced.requested_peak / MIB
+        found[config]["rounding"] = (traced.peak - traced.requested_at_peak) / MIB
         if config == "'memory'":
             top = trace.by_op(traced.live_at_requested_peak).most_common(TOP_OPS)
             found[config]["alive"] = [(op, size / MIB) for op, size in top]
