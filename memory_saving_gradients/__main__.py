@@ -1,4 +1,4 @@
-"""`python -m memory_saving_gradients`: the demo, benchmarks and plans of `cli`."""
+"""`python -m memory_saving_gradients`: the demo, benchmark suites and plans of `cli`."""
 
 import sys
 

@@ -9,7 +9,7 @@ a free block of less than twice a request whole), so the comparison here is the 
 margin was clear in every run: the U-Net, 'memory' against 'speed' and 'balanced' (measured
 12.7 MiB against 15.2 and 16.0).
 
-Left out, and measured by benchmarks/determinism.py instead: models whose comparison lies
+Left out, and measured by `bench --suite determinism` instead: models whose comparison lies
 within that noise (the MLP, whose peak is in its forward pass; the Inception-style net),
 models under mixed_float16 (float16 convolution gradients on CPU allocate a working set of
 about 30 MiB of their own, which makes every strategy's peak the same at these sizes), the

@@ -158,7 +158,7 @@ class _FunctionStep(_Step):
         checkpoints = method.checkpoints
         if method.checkpoint_block_layers:
             checkpoints = msg.keras.layer_outputs(*model.block_layers)
-        function = tf.function(lambda: _train(model, wrap, checkpoints))
+        function = tf.function(lambda: train(model, wrap, checkpoints))
         self.depth = model.depth
         start = time.perf_counter()
         function.get_concrete_function()
@@ -175,7 +175,7 @@ class _SessionStep(_Step):
         with graph.as_default():
             model = build_model()
             hints = _Hints()
-            fetch = _train(model, hints if method.grappler == "MANUAL" else models.unwrapped)
+            fetch = train(model, hints if method.grappler == "MANUAL" else models.unwrapped)
             init = tf.compat.v1.global_variables_initializer()
         self.depth = model.depth
         if hints.names:
@@ -230,7 +230,7 @@ def _with_recompute_hints(graph: tf.Graph, names: set[str]) -> tf.Graph:
     return hinted
 
 
-def _train(
+def train(
     model: models.Model, wrap: models.Wrap, checkpoints: CheckpointsArg | None = None
 ) -> tf.Tensor:
     """The loss, once SGD has applied the gradients (`tf.gradients`, or this library's with

@@ -25,7 +25,7 @@ from memory_saving_gradients._src.analysis import kernels
 # output), the filter gradient is smaller than the data gradient, and the data gradient's
 # reader waits for nothing else (not a sum with other branches' gradients, which holds it
 # the longer the earlier it runs). Serializing every convolution's filter gradient costs
-# time at the same peak (benchmarks/fit_frontier.py times the residual CNN's 'speed').
+# time at the same peak (`bench --suite fit` times the residual CNN's 'speed').
 # Matrix products keep the order: left free, their weight gradients fall behind the data
 # gradients' chain, each holding its activation (tests/test_memory.py, the
 # weight-gradients-first tests).

@@ -154,7 +154,7 @@ def _chain_step(size: Size, method: str, jit: bool) -> Any:
     model = models.build("chain", size.chain_depth, models.Shape(size.batch, size.width, 0))
     checkpoints = None if method == "plain" else method
     step = tf.function(
-        lambda: measure._train(model, models.unwrapped, checkpoints), jit_compile=jit
+        lambda: measure.train(model, models.unwrapped, checkpoints), jit_compile=jit
     )
     return lambda: step().numpy()
 
