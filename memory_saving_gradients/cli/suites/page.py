@@ -60,6 +60,12 @@ def environment() -> dict[str, str]:
     }
 
 
+def load_average() -> float | None:
+    """The system's load over the last minute, where the OS reports one: beside the number
+    of cores, it says whether other work shared them while steps were timed."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def number(value: float | None, form: str = "{:.2f}") -> str:
     """A table cell: `value` formatted, or empty where there is none."""
     return "" if value is None else form.format(value)
@@ -79,6 +85,7 @@ class Page:
         self.folder = folder
         self.options = list(options)
         self._parts = [f"# {title}\n"]
+        self._load_at_start = load_average()
 
     @property
     def command(self) -> str:
@@ -109,6 +116,12 @@ class Page:
         """Write the page, headed by the environment of this run; returns its path."""
         header = [f"- **{key}:** {value}" for key, value in environment().items()]
         header.append(f"- **took:** {seconds:.0f} s")
+        load_at_end = load_average()
+        if self._load_at_start is not None and load_at_end is not None:
+            header.append(
+                f"- **load average:** {self._load_at_start:.1f} as it started, "
+                f"{load_at_end:.1f} as it ended"
+            )
         reproduce = f"Made by\n\n```bash\n{self.command}\n```\n"
         title, *body = self._parts
         path = self.folder / f"{self.suite}.md"
