@@ -20,8 +20,9 @@ if TF1_BEHAVIOUR:
 
 
 #: Files of one test each that runs for minutes in a fresh interpreter: collected first, so
-#: that with pytest-xdist (`-n 2 --dist loadfile`, the README's test command) each worker
-#: starts on one of them and they run beside the rest of the suite, not after it.
+#: that with pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's test
+#: command, which hands out files in this order) each worker starts on one of them and they
+#: run beside the rest of the suite, not after it.
 RUN_FIRST = ("test_tf1_behaviour.py", "test_keras_hub.py")
 
 
