@@ -360,7 +360,7 @@ def _run(
                 # A step without copies passes gradients into variable reads, which carry
                 # no device under a distribution strategy: its gradients go on the caller's
                 # device (an all-reduce needs one), and are placed as TensorFlow's when
-                # passed on (`_released_after_reads`).
+                # passed on (`ordering.released_after_reads`).
                 step_ys = [
                     copies[t.op].outputs[t.value_index] if t.op in copies else values.of(t)
                     for t in reached
@@ -379,7 +379,9 @@ def _run(
             ]
             if arrived:
                 placement[x.ref()] = _flat(arrived[:1])[0]
-        return _released_after_reads(view, gradients, backprop.passed, scope, placement, values)
+        return ordering.released_after_reads(
+            view, gradients, backprop.passed, scope, placement, values.of
+        )
 
 
 # NOTE [gradients closing over forward tensors]: TensorFlow's gradient functions read the
@@ -404,56 +406,6 @@ def _run(
 # recomputed and hold an attention-sized buffer until the gradient arrives
 # (tests/test_gradients.py checks the scaled softmax's gradient is built as tf.gradients has
 # it).
-
-
-# NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
-# gradient exists, and a weight gradient exists before the data gradient beside it (NOTE
-# [weight gradients first]), which still reads the variable's value. A variable whose buffer
-# is still read cannot be updated in place: TensorFlow copies it to a new buffer (15 of 16
-# updates of an SGD step on a 16-layer chain), a transient the size of the variable, and the
-# variables move in memory every step, so the allocator's free blocks, and its peak, differ
-# from step to step. So each x's gradient is passed on only once every op of this backward
-# pass reading x's value (directly, or through a gate) has run.
-def _released_after_reads(
-    view: ForwardView,
-    gradients: list[Gradient | None],
-    passed: dict,
-    scope: str,
-    placement: dict[object, tf.Tensor],
-    values: _Values,
-) -> list[Gradient | None]:
-    """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
-    the variable read of x, or a gate passing either on; as `values` stand for them, gates
-    by the ref of what they pass) have run, and placed like the
-    gradient that arrived at x's first variable read (`placement`, by ref) where x has one:
-    a read passes its gradient on unchanged, so that is where TensorFlow's is. The step
-    passing gradients into reads runs uncolocated (variable reads may have no device)."""
-    released = []
-    for x, gradient in zip(view.xs, gradients, strict=True):
-        readers = {
-            reader
-            for tensor in (x, *execution_of(view).reads_of(x))
-            for alias in (values.of(tensor), *passed.get(tensor.ref(), ()))
-            for reader in alias.consumers()
-            if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
-        }
-        like = placement.get(x.ref())
-        if gradient is None or not (readers or like is not None):
-            released.append(gradient)
-            continue
-        with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
-            released.append(
-                tf.nest.map_structure(
-                    lambda t, like=like: _passed_on(t, like), gradient, expand_composites=True
-                )
-            )
-    return released
-
-
-def _passed_on(tensor: tf.Tensor, like: tf.Tensor | None = None) -> tf.Tensor:
-    """An identity of `tensor`, placed and colocated like it, or like `like`."""
-    with gates.placed_like(tensor if like is None else like):
-        return tf.identity(tensor)
 
 
 def colocated(op: tf.Operation, colocate: bool):

@@ -1,5 +1,6 @@
-"""The order of the ops one gradient call made: which weight gradients run before the data
-gradients beside them (NOTE [weight gradients first])."""
+"""The order of the backward pass's ops: which weight gradients of one gradient call run before
+the data gradients beside them (NOTE [weight gradients first]), and the gradients of the xs
+passed on only once the reads of their variables have run (NOTE [updates after reads])."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis.arguments import Gradient
+from memory_saving_gradients._src.analysis.execution import execution_of
+from memory_saving_gradients._src.analysis.view import ForwardView
+from memory_saving_gradients._src.rewriting import gates
 
 
 # NOTE [weight gradients first]: a weight gradient (a Conv2DBackpropFilter) reads an
@@ -152,3 +157,53 @@ def _goes_straight_on(gradient: tf.Operation, order: _Order) -> bool:
 _FILTER_GRADIENTS = frozenset({"Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter"})
 #: Ops whose values are ready before the gradients reading them: shapes and constants.
 _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
+
+
+# NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
+# gradient exists, and a weight gradient exists before the data gradient beside it (NOTE
+# [weight gradients first]), which still reads the variable's value. A variable whose buffer
+# is still read cannot be updated in place: TensorFlow copies it to a new buffer (15 of 16
+# updates of an SGD step on a 16-layer chain), a transient the size of the variable, and the
+# variables move in memory every step, so the allocator's free blocks, and its peak, differ
+# from step to step. So each x's gradient is passed on only once every op of this backward
+# pass reading x's value (directly, or through a gate) has run.
+def released_after_reads(
+    view: ForwardView,
+    gradients: list[Gradient | None],
+    passed: dict,
+    scope: str,
+    placement: dict[object, tf.Tensor],
+    stand_in: Callable[[tf.Tensor], tf.Tensor],
+) -> list[Gradient | None]:
+    """`gradients` of `view.xs`, each passed on once the ops under `scope` reading its x (or
+    the variable read of x, or a gate passing either on: `stand_in` of either, and the
+    gates in `passed` by the ref of what they pass) have run, and placed like the
+    gradient that arrived at x's first variable read (`placement`, by ref) where x has one:
+    a read passes its gradient on unchanged, so that is where TensorFlow's is. The step
+    passing gradients into reads runs uncolocated (variable reads may have no device)."""
+    released = []
+    for x, gradient in zip(view.xs, gradients, strict=True):
+        readers = {
+            reader
+            for tensor in (x, *execution_of(view).reads_of(x))
+            for alias in (stand_in(tensor), *passed.get(tensor.ref(), ()))
+            for reader in alias.consumers()
+            if reader.name.startswith(scope) and not _tf.in_v1_control_flow(reader)
+        }
+        like = placement.get(x.ref())
+        if gradient is None or not (readers or like is not None):
+            released.append(gradient)
+            continue
+        with tf.control_dependencies(sorted(readers, key=lambda op: op.name)):
+            released.append(
+                tf.nest.map_structure(
+                    lambda t, like=like: _passed_on(t, like), gradient, expand_composites=True
+                )
+            )
+    return released
+
+
+def _passed_on(tensor: tf.Tensor, like: tf.Tensor | None = None) -> tf.Tensor:
+    """An identity of `tensor`, placed and colocated like it, or like `like`."""
+    with gates.placed_like(tensor if like is None else like):
+        return tf.identity(tensor)
