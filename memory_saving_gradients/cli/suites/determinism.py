@@ -67,10 +67,15 @@ FULL = Size(
 QUICK = Size(("mlp",), {"rows": 8192, "width": 32}, 3, 2)
 
 
+def zoo_at(scale: dict[str, int]) -> str:
+    """How a page names the zoo's scale: the `zoo.Scale` call that builds it."""
+    return f"`zoo.Scale({', '.join(f'{k}={v}' for k, v in scale.items())})`"
+
+
 def run(page: Page, quick: bool, device: str) -> None:
     size = QUICK if quick else FULL
     page.text(
-        f"The zoo at `zoo.Scale({', '.join(f'{k}={v}' for k, v in size.scale.items())})`, "
+        f"The zoo at {zoo_at(size.scale)}, "
         f"float32, {THREADS} inter-op threads, on {device}; each model in a process of its own "
         f"whose allocator was first grown by {GROWN_MIB} MiB. *best*, *worst*: the allocator's "
         f"peak above resident memory over {size.steps} steps; *time*: the median of "

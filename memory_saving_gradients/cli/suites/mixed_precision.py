@@ -25,7 +25,7 @@ def run(page: Page, quick: bool, device: str) -> None:
     mixed = "mixed_float16" if device.startswith("GPU") else "mixed_bfloat16"
     dtypes = ("float32", mixed)
     page.text(
-        f"The zoo at `zoo.Scale({', '.join(f'{k}={v}' for k, v in size.scale.items())})`, "
+        f"The zoo at {determinism.zoo_at(size.scale)}, "
         f"in float32 and under `{mixed}`, on {device}; each model and policy in a process of "
         f"its own ({determinism.THREADS} inter-op threads, allocator first grown by "
         f"{determinism.GROWN_MIB} MiB). *MiB*: the worst of {size.steps} steps' allocator "
