@@ -3,7 +3,9 @@
 import numpy as np
 import tensorflow as tf
 
+import memory_saving_gradients as msg
 from memory_saving_gradients._src.rewriting import gates
+from tests.helpers import assert_same_gradients
 from tests.helpers import run_in_session as run
 
 tf1 = tf.compat.v1
@@ -135,3 +137,63 @@ def test_graph_optimizers_see_the_static_shape_of_what_passes_a_gate():
     nodes = _optimized_graph_nodes(graph, input_gradient)
     assert any(node.name.startswith("step/") for node in nodes)  # the gate is there
     assert not [node.name for node in nodes if node.op == "ShapeN"]
+
+
+def _upstream(op: tf.Operation) -> set[tf.Operation]:
+    """The ops `op` waits for, through data and control inputs."""
+    stack, seen = [op], set()
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return seen
+
+
+def test_a_step_its_gradients_reach_before_its_forward_pass_waits_for_that_pass():
+    """Keras's loss is a mean: `div_no_nan(sum, count)`, whose gradient for the sum reads the
+    count alone, so backprop reaches a step keeping the sum before the forward pass has made
+    it. Without waiting for that pass, the executor recomputes the step's segment while the
+    forward pass runs it, and holds both (a 2-block Keras encoder: 44 MiB, where 31.6 was
+    predicted). The step waits for its boundary's forward op; a step reached through
+    gradients that read the forward pass gets no such wait."""
+    weights = [tf.Variable(tf.random.stateless_normal([8, 8], [i, 0]) * 0.3) for i in range(6)]
+    x = tf.random.stateless_normal([4, 8], [9, 0])
+    graphs = {}
+
+    def loss_and_checkpoints():
+        h, kept = x, []
+        for w in weights:
+            h = tf.tanh(h @ w)
+            kept.append(h)
+        total = tf.reduce_sum(h, name="total")
+        return tf.math.divide_no_nan(total, tf.cast(tf.shape(h)[0], tf.float32)), [
+            kept[1],
+            total,
+        ]
+
+    @tf.function
+    def checkpointed():
+        loss, kept = loss_and_checkpoints()
+        graphs["graph"] = loss.graph
+        return msg.gradients(loss, weights, checkpoints=kept)
+
+    @tf.function
+    def plain():
+        return tf.gradients(loss_and_checkpoints()[0], weights)
+
+    assert_same_gradients(plain(), checkpointed())
+    graph = graphs["graph"]
+    steps = {
+        op.name.split("/")[1]: op
+        for op in graph.get_operations()
+        if op.name.startswith("gradients/step_") and op.name.endswith("/zero")
+    }
+    assert len(steps) == 2
+    total = graph.get_operation_by_name("total")
+    kept_tanh = total.inputs[0].op.inputs[0].op.inputs[0].op.inputs[0].op.inputs[0].op
+    assert kept_tanh.type == "Tanh"
+    # step_0 is reached through the count alone; step_1 through tanh's gradients, which read
+    # the forward pass up to `kept_tanh`
+    assert any(total in op.control_inputs for op in _upstream(steps["step_0"]))
+    assert not any(kept_tanh in op.control_inputs for op in _upstream(steps["step_1"]))

@@ -106,21 +106,44 @@ class Execution:
 
     def forward_before_gradients(self, tensors: Sequence[tf.Tensor]) -> int:
         """The ops that have run once the gradients arriving at `tensors` exist, as a bitset
-        of their positions: each op whose gradient, on the way from the ys to `tensors`,
-        reads forward values (`OpCost.saved_inputs`, `saved_outputs`; an unknown gradient
+        of their positions: each forward value that a gradient on the way from the ys to
+        `tensors` reads (`GradientUse.reads` of the input it flows into; an unknown gradient
         reads them all), and every op it is computed from. Backprop from a loss seeded with
         constants reaches an independent branch (one chain of `a + b`) before the forward
-        pass of the other has run."""
+        pass of the other has run, and a mean's sum (a `div_no_nan` by the count, whose
+        gradient for the sum reads the count alone) before the forward pass has made it."""
+        below = self._forward_below
+        return functools.reduce(operator.or_, (self._arriving_at(t, below) for t in tensors), 0)
+
+    def _arriving_at(self, tensor: tf.Tensor, below: dict[tf.Operation, int]) -> int:
+        """`forward_before_gradients` of `tensor`, given `below` for the ops reading it."""
+        read = self._read_by_gradient
         return functools.reduce(
             operator.or_,
-            (self._forward_below[op] for t in tensors for op in self.view.consumers(t)),
+            (
+                # .get: a TF1 loop's NextIteration feeds the Merge before it
+                below.get(reader, 0) | read(reader, index)
+                for reader in self.view.consumers(tensor)
+                for index, input_ in enumerate(reader.inputs)
+                if input_ is tensor
+            ),
             0,
         )
 
+    def _read_by_gradient(self, op: tf.Operation, index: int) -> int:
+        """The forward ops that have run once `op`'s gradient for its input `index` exists:
+        those making what that gradient reads, and what they are computed from."""
+        above = self._forward_above
+        use = self.view.costs[op].gradient
+        if use is None:
+            return above[op]
+        inputs, outputs = use.reads[index]
+        ran = functools.reduce(operator.or_, (above.get(op.inputs[i].op, 0) for i in inputs), 0)
+        return ran | above[op] if outputs else ran
+
     @cached_property
-    def _forward_below(self) -> dict[tf.Operation, int]:
-        """For each op, `forward_before_gradients` of its outputs with its own gradient (a
-        TF1 loop's back edges left out)."""
+    def _forward_above(self) -> dict[tf.Operation, int]:
+        """For each op, the bitset of itself and every op it is computed from."""
         view = self.view
         above: dict[tf.Operation, int] = {}
         for op in view.ops:
@@ -129,15 +152,16 @@ class Execution:
                 (above[t.op] for t in op.inputs if t.op in above),
                 1 << view.position[op],
             )
+        return above
+
+    @cached_property
+    def _forward_below(self) -> dict[tf.Operation, int]:
+        """For each op, `forward_before_gradients` of its outputs (a TF1 loop's back edges
+        left out)."""
         below: dict[tf.Operation, int] = {}
-        for op in reversed(view.ops):
-            cost = view.costs[op]
-            reads_forward = cost.gradient is None or cost.saved_inputs or cost.saved_outputs
+        for op in reversed(self.view.ops):
             below[op] = functools.reduce(
-                operator.or_,
-                # .get: a TF1 loop's NextIteration feeds the Merge before it
-                (below.get(reader, 0) for out in op.outputs for reader in view.consumers(out)),
-                above[op] if reads_forward else 0,
+                operator.or_, (self._arriving_at(t, below) for t in op.outputs), 0
             )
         return below
 

@@ -82,7 +82,12 @@ class _Part:
 # arrive (`Execution.forward_before_gradients`): backprop from a loss seeded with constants
 # reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
 # step's boundaries through that forward pass, as plain backprop does not (the original
-# library's dual chain, tests/test_memory.py). A later gate waits for them.
+# library's dual chain, tests/test_memory.py). A later gate waits for them. Conversely a
+# step's gradients may arrive before the forward pass has made the boundary they arrive at:
+# Keras's loss is a mean, `div_no_nan(sum, count)`, whose gradient for the sum reads the
+# count alone. The gate then waits for that boundary's forward op too (a control dependency,
+# outside XLA), or the executor recomputes the segment while the forward pass still runs it,
+# and holds both (tests/test_gates.py).
 #
 # Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
 # BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
@@ -136,7 +141,13 @@ class _Backprop:
         waited_parts = [part.gradient for part in waited]
         arriving = _flat(incoming)
         values = [self.values.of(t) for t in read]
-        gated, passed = gates.gate([*values, *arriving], arriving[0], _flat(waited_parts), scope)
+        gated, passed = gates.gate(
+            [*values, *arriving],
+            arriving[0],
+            _flat(waited_parts),
+            scope,
+            ran=self._forward_not_run_by(reached),
+        )
         gated_incoming = tf.nest.pack_sequence_as(
             incoming, gated[len(read) :], expand_composites=True
         )
@@ -145,6 +156,15 @@ class _Backprop:
             parts = self._parts[part.gradient_of.ref()]
             parts[:] = [value if p is part.gradient else p for p in parts]
         return gated[: len(read)], gated_incoming
+
+    def _forward_not_run_by(self, reached: Sequence[tf.Tensor]) -> list[tf.Operation]:
+        """What stands for the ops making `reached` whose forward pass need not have run when
+        their gradients arrive (NOTE [gates]): the gradients on the way from the ys read no
+        forward value behind them."""
+        ran = execution_of(self.view).forward_before_gradients(reached)
+        position = self.view.position
+        ops = dict.fromkeys(t.op for t in reached)
+        return [self.values.of(op.outputs[0]).op for op in ops if not ran >> position[op] & 1]
 
     def _waited_by(self, reached: Sequence[tf.Tensor]) -> tuple[list[_Part], list[_Part]]:
         """The parts found since the last gate that a step arriving at `reached` waits for

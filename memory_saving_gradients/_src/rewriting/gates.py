@@ -19,10 +19,15 @@ from memory_saving_gradients._src.analysis import kernels
 
 
 def gate(
-    tensors: Sequence[tf.Tensor], after: tf.Tensor, waits: Sequence[tf.Tensor], scope: str
+    tensors: Sequence[tf.Tensor],
+    after: tf.Tensor,
+    waits: Sequence[tf.Tensor],
+    scope: str,
+    ran: Sequence[tf.Operation] = (),
 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-    """`tensors`, each passed on, placed like it, once `after` and all of `waits` exist.
-    Returns the passed tensors and what later ops are to read in place of `waits`.
+    """`tensors`, each passed on, placed like it, once `after` and all of `waits` exist and
+    the ops `ran` have run. Returns the passed tensors and what later ops are to read in
+    place of `waits`.
 
     Outside XLA a tensor passes through a Slice of its whole extent (no copy) starting at a
     zero computed, at run time, from one element of `after`, and made after `waits`
@@ -33,7 +38,8 @@ def gate(
     itself minus a zero computed from one element of `after` and of each of `waits` (NOTE
     [gates under XLA]), except what follows from static shapes alone, which XLA needs as a
     compile-time constant (a reshape's target) and passes as it is; `waits` are returned as
-    they are.
+    they are. XLA orders its own schedule and ignores `ran` (a data dependency would keep
+    what it reads alive until the gate).
     """
     graph = tensors[0].graph
     with _tf.outside_caller_scopes(graph), graph.name_scope(scope):
@@ -45,7 +51,7 @@ def gate(
                 for tensor in tensors
             ]
         else:
-            with graph.device(after.op.device), tf.control_dependencies(waits):
+            with graph.device(after.op.device), tf.control_dependencies([*waits, *ran]):
                 zero = _zero_computed_from(after)
             starts: dict[int | None, tuple] = {}
             gated = [_passed_after(tensor, zero, starts) for tensor in tensors]
