@@ -1,7 +1,9 @@
 """Keras `fit`: each method's activation peak, its predicted ratio to plain's and its step
-time, on a deep residual CNN and a transformer encoder (`_src/models/transformers.py`).
+time, on a deep residual CNN, a transformer encoder, a causal decoder and a keras-hub Llama
+(`_src/models/transformers.py`).
 
-One training step is `train_on_batch`, the train function `fit` runs (SGD with momentum).
+One training step is `train_on_batch`, the train function `fit` runs (SGD with momentum;
+AdamW for the keras-hub model, whose decoder blocks per-block checkpoints keep).
 A method's peak is the largest of a few steps after the first (which traces and plans),
 above what was resident before each (weights, optimizer state, the batch), in a process of
 its own, as a user training one model has it: TensorFlow's allocator keeps the blocks a
@@ -24,15 +26,18 @@ from memory_saving_gradients.cli.suites.page import Page, number, progress
 
 TITLE = "Keras fit"
 MIB = 2**20
-#: Methods besides plain: strategies by name, budgets by their fraction.
+#: Methods besides plain: strategies by name, budgets by their fraction; "blocks" keeps each
+#: keras-hub decoder block's output (`msg.keras.layer_outputs`).
 METHODS = ("speed", "balanced", "0.4", "memory")
+HUB_METHODS = (*METHODS, "blocks")
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A model `fit` trains: 'residual' (`residual_cnn`) or 'encoder'
-    (`transformers.encoder`), its depth (blocks), width (channels or model dimension), input
-    size (image side or tokens) and batch."""
+    """A model `fit` trains: 'residual' (`residual_cnn`), 'encoder' (`transformers.encoder`),
+    'decoder' (`transformers.decoder`) or a keras-hub family (`transformers.causal_lm`), its
+    depth (blocks), width (channels or model dimension), input size (image side or tokens)
+    and batch."""
 
     model: str
     depth: int
@@ -46,19 +51,31 @@ class Workload:
                 f"residual CNN of {self.depth} blocks, {self.width} channels, "
                 f"{self.size}x{self.size} images, batch {self.batch}"
             )
+        name = {"encoder": "transformer encoder", "decoder": "causal decoder"}.get(
+            self.model, f"keras-hub {self.model} causal LM"
+        )
         return (
-            f"transformer encoder of {self.depth} blocks, width {self.width}, "
+            f"{name} of {self.depth} blocks, width {self.width}, "
             f"{self.size} tokens, batch {self.batch}"
         )
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return METHODS if self.model in ("residual", "encoder", "decoder") else HUB_METHODS
 
-FULL = (Workload("residual", 20, 16, 32, 8), Workload("encoder", 2, 64, 256, 8))
+
+#: The residual CNN, and the transformers issue 41 sets targets on.
+FULL = (
+    Workload("residual", 20, 16, 32, 8),
+    Workload("encoder", 8, 64, 256, 8),
+    Workload("decoder", 6, 256, 512, 4),
+    Workload("llama", 4, 128, 256, 4),
+)
 QUICK = (Workload("residual", 4, 8, 32, 8),)
 
 
 def run(page: Page, quick: bool, device: str) -> None:
     workloads = QUICK if quick else FULL
-    methods = ("speed", "memory") if quick else METHODS
     steps, repeats = (2, 2) if quick else (3, 5)
     page.text(
         f"`train_on_batch`, float32, on {device}. *MiB*: the largest activation peak of "
@@ -69,6 +86,7 @@ def run(page: Page, quick: bool, device: str) -> None:
     for workload in workloads:
         progress(f"fit: {workload.describe()}")
         page.text(f"## {workload.describe()}")
+        methods = ("speed", "memory") if quick else workload.methods
         rows = measure(workload, ["plain", *methods], steps, repeats, device)
         plain = rows[0]
         page.table(
@@ -138,6 +156,8 @@ def peak_alone(workload: dict[str, Any], method: str, steps: int, device: str) -
 def _label(method: str) -> str:
     if method == "plain":
         return method
+    if method == "blocks":
+        return "per-block checkpoints"
     try:
         return f"MemoryBudget({float(method)})"
     except ValueError:
@@ -159,21 +179,25 @@ def _train_step(workload: Workload, method: str) -> tuple[Any, Any]:
     import memory_saving_gradients as msg
     from memory_saving_gradients._src.models import transformers
 
+    sizes = {"length": workload.size, "batch": workload.batch, "batches": 1}
     if workload.model == "residual":
         task = residual_cnn(workload.depth, workload.width, workload.size, workload.batch)
+    elif workload.model in ("encoder", "decoder"):
+        builder = getattr(transformers, workload.model)
+        task = builder(blocks=workload.depth, width=workload.width, **sizes)
     else:
-        task = transformers.encoder(
-            blocks=workload.depth,
-            width=workload.width,
-            length=workload.size,
-            batch=workload.batch,
-            batches=1,
+        task = transformers.causal_lm(
+            workload.model, layers_count=workload.depth, hidden=workload.width, **sizes
         )
-    if method != "plain":
+    if method == "blocks":
+        blocks = task.model.backbone.transformer_layers
+        msg.keras.enable(
+            task.model, checkpoints=msg.keras.layer_outputs(*(b.name for b in blocks))
+        )
+    elif method != "plain":
         msg.keras.enable(task.model, checkpoints=_checkpoints(method))
     model = task.compile()
-    x, y = task.x[: task.batch], task.y[: task.batch]
-    return model, lambda: model.train_on_batch(x, y)
+    return model, lambda: model.train_on_batch(task.x, task.y)
 
 
 def _worst_peak(run: Any, steps: int, device: str) -> float:
