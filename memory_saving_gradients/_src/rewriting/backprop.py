@@ -225,7 +225,8 @@ class _Backprop:
     ) -> None:
         """Make the ops of one gradient call that read forward tensors of the pass they
         differentiate read what stands for them (NOTE [gradients closing over forward
-        tensors]): `copies`' outputs, else the `values` of this level."""
+        tensors]): `copies`' outputs, else the `values` of this level (the gates and copies
+        of the steps around it, for the boundaries an inner schedule starts from too)."""
         for op in made:
             for index, tensor in enumerate(op.inputs):
                 copy = copies.get(tensor.op)
@@ -234,7 +235,7 @@ class _Backprop:
                     if copy is not None
                     else self.values.of(tensor)
                 )
-                if stand_in is not tensor and tensor.op in self.view.position:
+                if stand_in is not tensor:
                     _tf.replace_input(op, index, stand_in)
 
     def receive(self, targets: Sequence[_Target], gradients: Sequence[Gradient | None]) -> None:
