@@ -87,6 +87,16 @@ def test_memory_budget_takes_a_fraction_or_a_positive_number_of_bytes(arguments)
         msg.MemoryBudget(**arguments)
 
 
+@pytest.mark.parametrize("scratch", [-1, float("nan"), float("inf"), "2", True, None])
+def test_update_scratch_must_be_a_number_of_gradients_bytes(scratch):
+    with tf.Graph().as_default():
+        w = tf.Variable(1.0)
+        y = tf.tanh(tf.tanh(w * 2.0))
+        for call in (msg.gradients, msg.plan):
+            with pytest.raises(ValueError, match=r"update_scratch=.*\(2 for Adam"):
+                call(y, [w], checkpoints="memory", update_scratch=scratch)
+
+
 def test_memory_budget_too_small_to_meet_takes_memorys_plan_and_says_so_once(caplog, monkeypatch):
     """Below reach, a budget took a plan of the same peak as 'memory''s recomputing three
     times as much, and warned once per model built."""

@@ -200,6 +200,7 @@ def test_the_view_a_policy_is_given_holds_what_policies_choose_from():
     members |= {field.name for field in dataclasses.fields(msg.ForwardView)}
     assert members == {
         "ys", "xs", "ops", "recomputable", "must_keep", "reused", "given_grad_ys",
-        "gradients_held", "measured", "enclosing", "build", "costs", "weight_ops", "is_weight",
-        "is_x", "bytes", "position", "order", "consumers", "kept_for_variable_reads",
+        "gradients_held", "update_scratch", "measured", "enclosing", "build", "costs",
+        "weight_ops", "is_weight", "is_x", "bytes", "position", "order", "consumers",
+        "kept_for_variable_reads",
     }  # fmt: skip

@@ -57,6 +57,7 @@ def gradients(
     checkpoints: CheckpointsArg = "collection",
     *,
     gradients_held: bool = False,
+    update_scratch: float = 0.0,
     costs: MeasuredCosts | None = None,
     name: str = "gradients",
     colocate_gradients_with_ops: bool = True,
@@ -94,6 +95,9 @@ def gradients(
         being applied, and freed, as soon as it is made (an optimizer update in the same
         graph); pass True where they are held, so that predicted peaks and budgets count
         them (`keras.enable` decides from the optimizer).
+      update_scratch: the temporaries the update applying one gradient holds beside it, as
+        a multiple of the gradient's bytes (Adam's two: `keras.enable` measures its
+        optimizer's), counted in predicted peaks and budgets where gradients are not held.
       costs: the plain step measured (`measure_costs`): plans from each kernel's measured
         scratch and time instead of the static estimates.
 
@@ -113,7 +117,7 @@ def gradients(
     )
     return compute_gradients(
         ys, xs, grad_ys, checkpoints, options, stop_gradients, unconnected_gradients,
-        refuse=True, gradients_held=gradients_held, costs=costs,
+        refuse=True, gradients_held=gradients_held, update_scratch=update_scratch, costs=costs,
     )  # fmt: skip
 
 
@@ -128,6 +132,7 @@ def compute_gradients(
     *,
     refuse: bool,
     gradients_held: bool = False,
+    update_scratch: float = 0.0,
     costs: MeasuredCosts | None = None,
 ) -> list[Gradient | None]:
     """`gradients`, with its `tf.gradients` options in `options` (their stop_gradients
@@ -136,6 +141,7 @@ def compute_gradients(
     patched TensorFlow computes them for code the user did not write."""
     arguments.check_graph_mode()
     arguments.check_costs(costs)
+    arguments.check_update_scratch(update_scratch)
     check_checkpoints(checkpoints)
     args = arguments.parse(ys, xs, grad_ys, stop_gradients, unconnected_gradients)
     with args.graph.as_default():
@@ -151,8 +157,9 @@ def compute_gradients(
         grads = [None] * len(unique_xs)
         if flowing.ys:
             grads = _checkpointed(
-                flowing, unique_xs, checkpoints, gradient_options, refuse, gradients_held, costs
-            )
+                flowing, unique_xs, checkpoints, gradient_options, refuse,
+                gradients_held, update_scratch, costs,
+            )  # fmt: skip
         by_x = {x.ref(): g for x, g in zip(unique_xs, grads, strict=True)}
         by_x.update(outside.gradients(by_x, gradient_options))
         return [unconnected_filled(x, by_x[x.ref()], args.unconnected_gradients) for x in args.xs]
@@ -165,10 +172,16 @@ def _checkpointed(
     options: GradientOptions,
     refuse: bool,
     gradients_held: bool,
+    update_scratch: float,
     costs: MeasuredCosts | None,
 ) -> list:
     view = ForwardView.build(
-        args.ys, unique_xs, args.grad_ys is not None, gradients_held, measured=costs
+        args.ys,
+        unique_xs,
+        args.grad_ys is not None,
+        gradients_held,
+        update_scratch=update_scratch,
+        measured=costs,
     )
     _report_unreachable(view)
     try:
@@ -195,9 +208,10 @@ def plan(
     checkpoints: CheckpointsArg = "memory",
     *,
     gradients_held: bool = False,
+    update_scratch: float = 0.0,
     costs: MeasuredCosts | None = None,
 ) -> Plan:
-    """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=...)` would keep, and what
+    """What `gradients(ys, xs, grad_ys, checkpoints, gradients_held=..., ...)` would keep, and what
     that is predicted to cost, without building any gradient: print it for a table, pass it
     back as `checkpoints=plan` to use it as it is. The arguments are `gradients`'s, in its
     order; `checkpoints` defaults to 'memory' (`gradients`' default is the original
@@ -212,6 +226,7 @@ def plan(
     grad_ys, checkpoints = _in_gradients_order(grad_ys, checkpoints)
     arguments.check_graph_mode()
     arguments.check_costs(costs)
+    arguments.check_update_scratch(update_scratch)
     check_checkpoints(checkpoints)
     try:
         args = arguments.parse(ys, xs, grad_ys, None, tf.UnconnectedGradients.NONE)
@@ -234,6 +249,7 @@ def plan(
             body.unique_xs,
             flowing.grad_ys is not None,
             gradients_held,
+            update_scratch=update_scratch,
             measured=costs,
         )
         return plan_for(view, checkpoints).predicted()

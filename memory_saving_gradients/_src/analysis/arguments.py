@@ -200,6 +200,20 @@ def _grad_ys(grad_ys, ys: list[tf.Tensor]) -> list[Gradient | None] | None:
     return checked
 
 
+def check_update_scratch(update_scratch: object) -> None:
+    """`update_scratch` is a number of gradients' bytes, zero or more."""
+    if (
+        isinstance(update_scratch, bool)
+        or not isinstance(update_scratch, int | float)
+        or not 0 <= update_scratch < float("inf")
+    ):
+        raise ValueError(
+            f"update_scratch={update_scratch!r} is not a number of gradients' bytes, zero or "
+            "more: pass the temporaries an optimizer's update of one variable holds beside "
+            "its gradient, over the gradient's bytes (2 for Adam; 0, the default, for SGD)."
+        )
+
+
 def check_costs(costs: object) -> None:
     """`costs` is None or what `measure_costs` returns."""
     if costs is not None and not isinstance(costs, MeasuredCosts):

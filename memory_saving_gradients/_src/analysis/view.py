@@ -82,6 +82,9 @@ class ForwardView:
       gradients_held: whether the gradients of xs all live to the end of the step (they are
         fetched or returned, or checked together before any is applied: loss scaling,
         global-norm clipping), rather than each being applied, and freed, once complete.
+      update_scratch: the bytes the update applying one x's gradient holds beside it while it
+        runs, over the gradient's bytes (an optimizer's temporaries: Adam's two); counted
+        where each gradient is applied once complete.
       measured: a profiled plain step of these ops (`profiling.measure_costs`), whose
         kernels' scratch and times replace the static estimates; None for static costs.
       enclosing: the view this one is a segment of (a nested step's), whose ops' costs it
@@ -96,6 +99,7 @@ class ForwardView:
     reused: tuple[tf.Tensor, ...]
     given_grad_ys: bool = False
     gradients_held: bool = False
+    update_scratch: float = 0.0
     measured: MeasuredCosts | None = None
     enclosing: ForwardView | None = dataclasses.field(default=None, repr=False)
 
@@ -107,6 +111,7 @@ class ForwardView:
         given_grad_ys: bool = False,
         gradients_held: bool = False,
         through_xs: bool = True,
+        update_scratch: float = 0.0,
         measured: MeasuredCosts | None = None,
         enclosing: ForwardView | None = None,
     ) -> ForwardView:
@@ -154,6 +159,7 @@ class ForwardView:
             reused=tuple(reused.values()),
             given_grad_ys=given_grad_ys,
             gradients_held=gradients_held,
+            update_scratch=update_scratch,
             measured=measured,
             enclosing=enclosing,
         )

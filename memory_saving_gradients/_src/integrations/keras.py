@@ -7,7 +7,8 @@ method Keras documents for customising what `fit` does. `enable` gives one model
 `compute_loss`, the "loss" metric, `optimizer.scale_loss` (mixed precision: the
 LossScaleOptimizer unscales in `apply_gradients`), `compute_metrics`. `evaluate` and `predict`
 are Keras's own. Plans count on what the optimizer does with the gradients: a plain update
-applies each as soon as it is made, while loss scaling, global-norm clipping, gradient
+applies each as soon as it is made, holding temporaries of its own beside it (measured once
+per optimizer: `keras_updates`), while loss scaling, global-norm clipping, gradient
 accumulation and the all-reduce of several replicas hold them all until the last is made.
 The step also makes each variable's update wait for its gradient, so that optimizer state
 computed from the old state alone (momentum times velocity) is not held through the whole step
@@ -43,7 +44,7 @@ import tensorflow as tf
 
 from memory_saving_gradients._src.analysis.measured import MeasuredCosts
 from memory_saving_gradients._src.analysis.view import ForwardView
-from memory_saving_gradients._src.integrations import keras_function
+from memory_saving_gradients._src.integrations import keras_function, keras_updates
 from memory_saving_gradients._src.integrations.keras_layers import LayerOutputs, layer_outputs
 from memory_saving_gradients._src.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients._src.integrations.tape import GradientTape
@@ -118,7 +119,14 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg, costs: MeasuredCosts |
     def train_step(model: keras.Model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         held = _gradients_held(model.optimizer)
-        with GradientTape(checkpoints=checkpoints, gradients_held=held, costs=costs) as tape:
+        scratch = 0.0
+        if not held:
+            scratch = keras_updates.update_scratch(
+                model.optimizer, _step_device(), _updates_after_gradients
+            )
+        with GradientTape(
+            checkpoints=checkpoints, gradients_held=held, update_scratch=scratch, costs=costs
+        ) as tape:
             y_pred = model(x, training=True) if _call_takes_training(model) else model(x)
             loss = _compute_loss(model, x, y, y_pred, sample_weight)
             scaled_loss = loss if model.optimizer is None else model.optimizer.scale_loss(loss)

@@ -60,8 +60,9 @@ class GradientTape(tf.GradientTape):
     'collection', a `MemoryBudget`, a list), 'memory' by default (`gradients` defaults to
     the original library's 'collection', for code written for it); `gradients_held` is its
     argument of that name (pass True where the step keeps every gradient until the last is
-    made, e.g. to check them all for overflow); `costs` too (a plain step measured by
-    `measure_costs`).
+    made, e.g. to check them all for overflow); `update_scratch` and `costs` too (the
+    temporaries an optimizer's update holds beside each gradient, Adam's two; a plain step
+    measured by `measure_costs`).
     `jacobian` and `batch_jacobian` are those of `tf.GradientTape`, not checkpointed.
     """
 
@@ -72,11 +73,13 @@ class GradientTape(tf.GradientTape):
         checkpoints: CheckpointsArg = "memory",
         gradients_held: bool = False,
         costs: MeasuredCosts | None = None,
+        update_scratch: float = 0.0,
     ) -> None:
         check_checkpoints(checkpoints)
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
         self.gradients_held = gradients_held
+        self.update_scratch = update_scratch
         self.costs = costs
         self._persistent_tape = persistent
         self._spans: list[_Span] = []
@@ -213,7 +216,8 @@ class GradientTape(tf.GradientTape):
                 stops = _unrecorded_between(connected, targets, tracked)
                 grads = gradients(
                     targets, connected, grad_ys, self.checkpoints,
-                    gradients_held=self.gradients_held, costs=self.costs, stop_gradients=stops,
+                    gradients_held=self.gradients_held, update_scratch=self.update_scratch,
+                    costs=self.costs, stop_gradients=stops,
                     unconnected_gradients=unconnected,
                 )  # fmt: skip
                 found = {x.ref(): g for x, g in zip(connected, grads, strict=True)}

@@ -354,14 +354,16 @@ class Simulator:
 
     def _apply_completed_gradients(self, op: int) -> None:
         """Free the gradient of each x that `op` was the last reader of, once summed: an
-        update applies it (where gradients are not held to the end of the step), copying its
-        variable where `updates_copy`. A variable read passes its gradient on unchanged, with
-        no gate to wait for: its output's gradient is applied as soon as it is complete."""
+        update applies it (where gradients are not held to the end of the step), holding its
+        own temporaries (`ForwardView.update_scratch`) and copying its variable where
+        `updates_copy`. A variable read passes its gradient on unchanged, with no gate to
+        wait for: its output's gradient is applied as soon as it is complete."""
+        scratch = self.view.update_scratch + (1 if self.updates_copy else 0)
         for t in dict.fromkeys(t for t in self.ids.inputs[op] if t in self.readers_left):
             self.readers_left[t] -= 1
             if not self.readers_left[t] and (summed := self._summed_gradient(t)):
-                if self.updates_copy:  # a temporary alive while the update runs
-                    self.ledger.working(summed.size)
+                if scratch:  # temporaries alive while the update runs
+                    self.ledger.working(round(scratch * summed.size))
                 self.ledger.release(summed)
                 if t in self.parts:
                     self.ledger.release(self.parts.pop(t)[0])

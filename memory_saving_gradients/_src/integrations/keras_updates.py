@@ -1,0 +1,81 @@
+"""What a Keras optimizer's update of one variable holds beside the gradient it applies.
+
+An enabled step applies each gradient as soon as it is made, and the update's own
+temporaries are alive beside it while it runs: Adam's `(g - m)` and `g * g`, RMSprop's more,
+as many bytes again as the variable for each. Where weights are as large as activations (a
+wide MLP, a language model's embedding) they move the peak, and plans count them
+(`ForwardView.update_scratch`). TensorFlow gives no way to read them off the optimizer, so
+they are measured: a copy of the optimizer (`from_config`) updates a probe variable in a
+function of its own, once per optimizer, as the enabled step applies it (SGD's momentum fused
+into one kernel: NOTE [fused momentum] in `keras.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from memory_saving_gradients._src.profiling import peak_memory
+
+logger = logging.getLogger(__name__)
+
+#: How the step applies gradients: a context, given the optimizer, gradients and variables,
+#: inside which `optimizer.apply` runs.
+Applying = Callable[
+    [keras.optimizers.Optimizer, list, list], contextlib.AbstractContextManager[None]
+]
+
+#: Elements of the probe variable: large beside the allocator's rounding of small requests.
+PROBE_ELEMENTS = 2**18
+#: Updates measured: the executor may order the update's ops otherwise from one to the next.
+PROBE_RUNS = 3
+
+_MEASURED: weakref.WeakKeyDictionary[keras.optimizers.Optimizer, float] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def update_scratch(
+    optimizer: keras.optimizers.Optimizer, device: str, applying: Applying
+) -> float:
+    """The most bytes `optimizer`'s update of one float32 variable holds on `device` beside
+    the gradient it applies, applied under `applying`, over the gradient's bytes; measured
+    on the first call for each optimizer (eagerly, also while a step is traced). 0 where the
+    optimizer cannot be copied or the device keeps no memory statistics, which is logged."""
+    if optimizer not in _MEASURED:
+        with tf.init_scope():
+            try:
+                _MEASURED[optimizer] = _measured(optimizer, device, applying)
+            except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
+                logger.info(
+                    "Could not measure what %s's update holds beside each gradient (%s): "
+                    "predicted peaks leave it out.",
+                    type(optimizer).__name__,
+                    error,
+                )
+                _MEASURED[optimizer] = 0.0
+    return _MEASURED[optimizer]
+
+
+def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Applying) -> float:
+    """`update_scratch` of a copy of `optimizer`, applying a gradient made in the function
+    that applies it, so that the update may take its buffer over as the step's does."""
+    probe = type(optimizer).from_config(optimizer.get_config())
+    variable = keras.Variable(np.zeros([PROBE_ELEMENTS], np.float32))
+    probe.build([variable])
+
+    @tf.function
+    def update() -> None:
+        gradient = tf.sqrt(tf.abs(variable.value) + 1.0)
+        with applying(probe, [gradient], [variable]):
+            probe.apply([gradient], [variable])
+
+    gradient_bytes = 4 * PROBE_ELEMENTS
+    peak = max(peak_memory(update, device) for _ in range(PROBE_RUNS))
+    return max(0.0, peak / gradient_bytes - 1)
