@@ -412,7 +412,9 @@ def _run(
 # ops reading the original tensors, which then stay alive from the forward pass until that
 # gradient runs (a chain of silu layers, tests/test_memory.py).
 # So the ops each gradient call makes are rerouted from forward tensors of the view to what
-# stands for them at that point: the step's copies, the gates passing its boundaries on.
+# stands for them at that point: the step's copies, the gates passing its boundaries on, and
+# inside a nested step the outer step's copies and gates, also of the boundaries the inner
+# schedule starts from (its xs, no ops of its view; tests/test_memory.py).
 
 
 # NOTE [names of recomputed ops]: the gradients of a step's copies are built under the scope
