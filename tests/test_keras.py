@@ -522,7 +522,8 @@ def test_an_optimizers_update_temporaries_are_measured_once():
     from memory_saving_gradients._src.integrations import keras_updates
 
     def scratch(optimizer, device="CPU:0"):
-        return keras_updates.update_scratch(optimizer, device, _updates_after_gradients)
+        keras_updates.measure(optimizer, device, _updates_after_gradients)
+        return keras_updates.update_scratch(optimizer)
 
     adam = keras.optimizers.Adam()
     assert scratch(keras.optimizers.SGD(0.1)) < 0.5
@@ -554,4 +555,4 @@ def test_adams_update_temporaries_are_predicted():
     measured, predicted = memory_step(keras.optimizers.Adam(1e-3))
     weight = 1024 * 1024 * 4
     assert 1.5 * weight <= predicted - predicted_sgd <= 2.5 * weight, (predicted, predicted_sgd)
-    assert 0.95 * predicted <= measured <= 1.3 * predicted, (measured, predicted)
+    assert 0.9 * predicted <= measured <= 1.3 * predicted, (measured, predicted)

@@ -119,11 +119,7 @@ def _checkpointed_train_step(checkpoints: CheckpointsArg, costs: MeasuredCosts |
     def train_step(model: keras.Model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         held = _gradients_held(model.optimizer)
-        scratch = 0.0
-        if not held:
-            scratch = keras_updates.update_scratch(
-                model.optimizer, _step_device(), _updates_after_gradients
-            )
+        scratch = 0.0 if held else keras_updates.update_scratch(model.optimizer)
         with GradientTape(
             checkpoints=checkpoints, gradients_held=held, update_scratch=scratch, costs=costs
         ) as tape:
@@ -291,6 +287,7 @@ def _make_train_function(model: keras.Model, force: bool = False):
     step then cannot save memory."""
     if model.train_function is not None and not force:
         return model.train_function
+    _measure_update_scratch(model)
     if model.run_eagerly:
         logger.warning(
             "Keras model %s runs eagerly (run_eagerly=True): there is no graph to rewrite, so "
@@ -313,6 +310,7 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
             return _make_train_function(model, force)
         if model.train_function is not None and not force:
             return model.train_function
+        _measure_update_scratch(model)
         # Plain gradients through the tape, named as `tf.gradients` names them, which
         # charges each gradient op to its forward op (`measured`); TensorFlow's own tape
         # names a function call's gradient after nothing it differentiates.
@@ -336,6 +334,13 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
         return first_step
 
     return make_train_function
+
+
+def _measure_update_scratch(model: keras.Model) -> None:
+    """Measure what the optimizer's update holds beside each gradient (`keras_updates`), as
+    the train function is made, before any step runs."""
+    if model.optimizer is not None and not _gradients_held(model.optimizer):
+        keras_updates.measure(model.optimizer, _step_device(), _updates_after_gradients)
 
 
 def _step_device() -> str:

@@ -7,7 +7,9 @@ wide MLP, a language model's embedding) they move the peak, and plans count them
 (`ForwardView.update_scratch`). TensorFlow gives no way to read them off the optimizer, so
 they are measured: a copy of the optimizer (`from_config`) updates a probe variable in a
 function of its own, once per optimizer, as the enabled step applies it (SGD's momentum fused
-into one kernel: NOTE [fused momentum] in `keras.py`).
+into one kernel: NOTE [fused momentum] in `keras.py`). That is done before any step runs: while
+a step is traced it would make Keras trace it again (the probe is a new variable), and within a
+batch it would reset the allocator statistics `MemoryLog` reads.
 """
 
 from __future__ import annotations
@@ -41,26 +43,28 @@ _MEASURED: weakref.WeakKeyDictionary[keras.optimizers.Optimizer, float] = (
 )
 
 
-def update_scratch(
-    optimizer: keras.optimizers.Optimizer, device: str, applying: Applying
-) -> float:
-    """The most bytes `optimizer`'s update of one float32 variable holds on `device` beside
-    the gradient it applies, applied under `applying`, over the gradient's bytes; measured
-    on the first call for each optimizer (eagerly, also while a step is traced). 0 where the
-    optimizer cannot be copied or the device keeps no memory statistics, which is logged."""
-    if optimizer not in _MEASURED:
-        with tf.init_scope():
-            try:
-                _MEASURED[optimizer] = _measured(optimizer, device, applying)
-            except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
-                logger.info(
-                    "Could not measure what %s's update holds beside each gradient (%s): "
-                    "predicted peaks leave it out.",
-                    type(optimizer).__name__,
-                    error,
-                )
-                _MEASURED[optimizer] = 0.0
-    return _MEASURED[optimizer]
+def measure(optimizer: keras.optimizers.Optimizer, device: str, applying: Applying) -> None:
+    """Measure `update_scratch` of `optimizer` on `device`, applied under `applying`, unless
+    it was measured before; eagerly, before any step. Where the optimizer cannot be copied or
+    the device keeps no memory statistics it stays 0, which is logged."""
+    if optimizer in _MEASURED:
+        return
+    try:
+        _MEASURED[optimizer] = _measured(optimizer, device, applying)
+    except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
+        logger.info(
+            "Could not measure what %s's update holds beside each gradient (%s): predicted "
+            "peaks leave it out.",
+            type(optimizer).__name__,
+            error,
+        )
+        _MEASURED[optimizer] = 0.0
+
+
+def update_scratch(optimizer: keras.optimizers.Optimizer) -> float:
+    """The most bytes `optimizer`'s update of one float32 variable holds beside the gradient
+    it applies, over the gradient's bytes, as `measure` found (0 where it was not measured)."""
+    return _MEASURED.get(optimizer, 0.0)
 
 
 def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Applying) -> float:
