@@ -19,11 +19,15 @@ if TF1_BEHAVIOUR:
     tf.compat.v1.disable_v2_behavior()
 
 
-#: Files of one test each that runs for minutes in a fresh interpreter: collected first, so
-#: that with pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's test
-#: command, which hands out files in this order) each worker starts on one of them and they
-#: run beside the rest of the suite, not after it.
-RUN_FIRST = ("test_tf1_behaviour.py", "test_keras_hub.py")
+#: Collected first, in this order. The first two are files of one test each that runs for
+#: minutes in a fresh interpreter: with pytest-xdist (`-n 2 --dist loadfile
+#: --no-loadscope-reorder`, the README's test command, which hands out files in this order)
+#: each worker starts on one of them, and they run beside the rest of the suite, not after it.
+#: Then test_memory.py, whose Session peaks read the allocator of the worker's own process:
+#: it runs where only those subprocesses ran before it, since TensorFlow's allocator hands a
+#: request a free block of up to twice its size whole, and blocks earlier tests left free
+#: read as up to 1 MB more on its 1 MB chains.
+RUN_FIRST = ("test_tf1_behaviour.py", "test_keras_hub.py", "test_memory.py")
 
 
 def _run_first_index(item: pytest.Item) -> int:
