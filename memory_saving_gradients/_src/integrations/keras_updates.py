@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import weakref
 from collections.abc import Callable
 
@@ -34,9 +35,10 @@ Applying = Callable[
     [keras.optimizers.Optimizer, list, list], contextlib.AbstractContextManager[None]
 ]
 
-#: Elements of the probe variable: large beside the allocator's rounding of small requests.
-PROBE_ELEMENTS = 2**18
-#: Updates measured: the executor may order the update's ops otherwise from one to the next.
+#: Elements of the probe variable (16 MiB): large beside the blocks earlier steps of a
+#: process leave free, which the allocator may hand a smaller request whole.
+PROBE_ELEMENTS = 2**22
+#: Updates measured, of which the least counts.
 PROBE_RUNS = 3
 
 _MEASURED: weakref.WeakKeyDictionary[keras.optimizers.Optimizer, float] = (
@@ -63,7 +65,7 @@ def measure(optimizer: keras.optimizers.Optimizer, device: str, applying: Applyi
 
 
 def update_scratch(optimizer: keras.optimizers.Optimizer) -> float:
-    """The most bytes `optimizer`'s update of one float32 variable holds beside the gradient
+    """The bytes `optimizer`'s update of one float32 variable holds beside the gradient
     it applies, over the gradient's bytes, as `measure` found (0 where it was not measured)."""
     return _MEASURED.get(optimizer, 0.0)
 
@@ -86,5 +88,6 @@ def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Appl
     for _ in range(PROBE_RUNS):
         gc.collect()  # garbage freed during an update would read as less than it holds
         peaks.append(peak_memory(update, device))
-    peak = max(peaks)
-    return max(0.0, peak / gradient_bytes - 1)
+    # The temporaries are whole buffers of the probe's size: counted in whole gradients,
+    # rounded down, since a request handed a larger free block whole reads above them.
+    return float(max(0, math.floor(min(peaks) / gradient_bytes - 1)))
