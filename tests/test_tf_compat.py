@@ -138,8 +138,7 @@ def test_is_function_call():
 
 def test_boundaries_stop_backprop_where_stop_gradients_does_not_at_function_calls():
     """TensorFlow's gradient code differentiates a function-call op listed in stop_gradients
-    all the same (NOTE [function calls in stop_gradients] in _tf/gradients.py); a boundary
-    stops."""
+    all the same (NOTE [function calls in stop_gradients] in _tf.py); a boundary stops."""
 
     @tf.function
     def body(v):
