@@ -3,7 +3,9 @@
 TensorFlow 2 ships no graph editor, so copying ops, adding control inputs and calling the real
 gradient implementation go through private methods of `tf.Graph` and `tf.Operation`. Keeping
 them here means a TensorFlow release that changes one breaks one function, and
-`tests/test_tf_compat.py` names it.
+`tests/test_tf_compat.py` names it. That is this module's one job, whatever the functions
+reach into (editing built ops, function calls, TensorFlow's own gradients, the runtime): one
+module holds every private API, so the layering test can say no other module touches any.
 """
 
 from __future__ import annotations

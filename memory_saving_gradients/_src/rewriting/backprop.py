@@ -9,9 +9,10 @@ them.
    backward pass starts, down to the first boundaries.
 2. Then each step's segments are copied and the copies differentiated, with the summed
    gradients arriving at its boundaries as `grad_ys`. The copies read the boundaries through
-   the step's gate (NOTE [gates]), so that the executor recomputes a segment only once
-   backprop reaches it. A gate is private to its step, so TensorFlow's gradient call, which
-   walks everything downstream of what it differentiates against, walks that step only.
+   the step's gate (NOTE [gates] in `gates.py`), so that the executor recomputes a segment
+   only once backprop reaches it. A gate is private to its step, so TensorFlow's gradient
+   call, which walks everything downstream of what it differentiates against, walks that step
+   only.
 3. A step with an inner schedule runs it on its copies: the inner steps copy the originals
    once more, reading the outer copies and gates through gates of their own (`_Values` says
    what stands for each tensor at each level).
@@ -70,36 +71,6 @@ class _Part:
     gradient_of: tf.Tensor
 
 
-# NOTE [gates]: a step that recomputes reads what was made before it (the boundaries its
-# copies read, the gradients arriving at its boundaries) through its gate, which passes each
-# of them on once all exist and once every gradient part found since the last gate exists.
-# So nothing is recomputed before backprop reaches the step (without the gate the executor
-# runs copies as soon as their inputs exist, during the forward pass, and holds them), and a
-# step starts only once the steps before it are done: the executor could otherwise leave
-# their weight gradients queued, or start a step while an independent branch's backprop is
-# still holding its activations. The backward pass runs one step at a time. A gate does not
-# wait for parts of a branch whose forward pass need not have run when its own gradients
-# arrive (`Execution.forward_before_gradients`): backprop from a loss seeded with constants
-# reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
-# step's boundaries through that forward pass, as plain backprop does not (the original
-# library's dual chain, tests/test_memory.py). A later gate waits for them. Conversely a
-# step's gradients may arrive before the forward pass has made the boundary they arrive at:
-# Keras's loss is a mean, `div_no_nan(sum, count)`, whose gradient for the sum reads the
-# count alone. The gate then waits for that boundary's forward op too (a control dependency,
-# outside XLA), or the executor recomputes the segment while the forward pass still runs it,
-# and holds both (tests/test_gates.py).
-#
-# Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
-# BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
-# them). A fusion closes a cycle through a gate only if it merges an op before the gate with
-# an op after it, and fusions merge ops that read one another or read one tensor. Ops after a
-# gate read its outputs, their own step's copies and gradients, and constants; tensors made
-# before it are read afterwards only by later gates and by the AddN summing gradient parts,
-# and no fusion takes those in. Control dependencies alone give no such guarantee (a fused
-# op inherits the control edges of what it absorbed), and XLA ignores them. A step without
-# copies (variable reads) has no gate: it only passes arriving gradients on to kept tensors.
-
-
 class _Backprop:
     """One checkpointed backward pass: TensorFlow's gradient calls and the parts they return."""
 
@@ -130,14 +101,18 @@ class _Backprop:
     def step_inputs(
         self, reached: Sequence[tf.Tensor], read: Sequence[tf.Tensor], scope: str
     ) -> tuple[list[tf.Tensor], list[Gradient]]:
-        """What a step reads, passed through its gate (NOTE [gates]): the boundaries its
-        copies `read`, and the gradients arriving at the `reached` boundaries. The gate also
-        waits for every gradient part found since the last gate. A step that recomputes
-        nothing (variable reads) has no gate: its gradients are final as soon as they exist."""
+        """What a step reads, passed through its gate (NOTE [gates] in `gates.py`): the
+        boundaries its copies `read`, and the gradients arriving at the `reached` boundaries.
+        The gate also waits for the gradient parts found since the last gate that `gates.waits`
+        picks, and for the forward ops it names. A step that recomputes nothing (variable
+        reads) has no gate: its gradients are final as soon as they exist."""
         incoming = [self.gradient(t) for t in reached]
         if not read:
             return [], incoming
-        waited, self._unwaited = self._waited_by(reached)
+        found = self._unwaited
+        picked, not_run = gates.waits(self.view, reached, [part.gradient_of for part in found])
+        waited = [part for part, wait in zip(found, picked, strict=True) if wait]
+        self._unwaited = [part for part, wait in zip(found, picked, strict=True) if not wait]
         waited_parts = [part.gradient for part in waited]
         arriving = _flat(incoming)
         values = [self.values.of(t) for t in read]
@@ -146,7 +121,7 @@ class _Backprop:
             arriving[0],
             _flat(waited_parts),
             scope,
-            ran=self._forward_not_run_by(reached),
+            ran=[self.values.of(op.outputs[0]).op for op in not_run],
         )
         gated_incoming = tf.nest.pack_sequence_as(
             incoming, gated[len(read) :], expand_composites=True
@@ -156,28 +131,6 @@ class _Backprop:
             parts = self._parts[part.gradient_of.ref()]
             parts[:] = [value if p is part.gradient else p for p in parts]
         return gated[: len(read)], gated_incoming
-
-    def _forward_not_run_by(self, reached: Sequence[tf.Tensor]) -> list[tf.Operation]:
-        """What stands for the ops making `reached` whose forward pass need not have run when
-        their gradients arrive (NOTE [gates]): the gradients on the way from the ys read no
-        forward value behind them."""
-        ran = execution_of(self.view).forward_before_gradients(reached)
-        position = self.view.position
-        ops = dict.fromkeys(t.op for t in reached)
-        return [self.values.of(op.outputs[0]).op for op in ops if not ran >> position[op] & 1]
-
-    def _waited_by(self, reached: Sequence[tf.Tensor]) -> tuple[list[_Part], list[_Part]]:
-        """The parts found since the last gate that a step arriving at `reached` waits for
-        (NOTE [gates]), and the others: a part of a branch whose forward pass need not have
-        run when the step's gradients arrive is left to a later gate."""
-        execution = execution_of(self.view)
-        ran = execution.forward_before_gradients(reached)
-        waited: list[_Part] = []
-        left: list[_Part] = []
-        for part in self._unwaited:
-            needs = execution.forward_before_gradients([part.gradient_of])
-            (left if needs & ~ran else waited).append(part)
-        return waited, left
 
     def differentiate(
         self,

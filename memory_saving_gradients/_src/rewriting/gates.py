@@ -1,10 +1,10 @@
 """Gates: what a backward step reads from before it, passed on only once backprop reaches it.
 
-Each step of the rewrite (NOTE [gates] in `backprop.py`) reads the boundaries and arriving
-gradients through a gate of its own, so that the executor recomputes nothing early and runs
-one step at a time. A gate must survive graph optimizers (which drop identities and fold
-what they can prove constant) and XLA (which ignores control dependencies): it is a data
-dependency on a zero computed at run time.
+Each step of the rewrite (NOTE [gates]) reads the boundaries and arriving gradients through a
+gate of its own, so that the executor recomputes nothing early and runs one step at a time;
+`waits` says what else a step's gate waits for. A gate must survive graph optimizers (which
+drop identities and fold what they can prove constant) and XLA (which ignores control
+dependencies): it is a data dependency on a zero computed at run time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,52 @@ import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis.execution import execution_of
+from memory_saving_gradients._src.analysis.view import ForwardView
+
+# NOTE [gates]: a step that recomputes reads what was made before it (the boundaries its
+# copies read, the gradients arriving at its boundaries) through its gate, which passes each
+# of them on once all exist and once every gradient part found since the last gate exists.
+# So nothing is recomputed before backprop reaches the step (without the gate the executor
+# runs copies as soon as their inputs exist, during the forward pass, and holds them), and a
+# step starts only once the steps before it are done: the executor could otherwise leave
+# their weight gradients queued, or start a step while an independent branch's backprop is
+# still holding its activations. The backward pass runs one step at a time. A gate does not
+# wait for parts of a branch whose forward pass need not have run when its own gradients
+# arrive (`Execution.forward_before_gradients`): backprop from a loss seeded with constants
+# reaches one chain of `a + b` before the other's forward pass, and waiting would hold the
+# step's boundaries through that forward pass, as plain backprop does not (the original
+# library's dual chain, tests/test_memory.py). A later gate waits for them. Conversely a
+# step's gradients may arrive before the forward pass has made the boundary they arrive at:
+# Keras's loss is a mean, `div_no_nan(sum, count)`, whose gradient for the sum reads the
+# count alone. The gate then waits for that boundary's forward op too (a control dependency,
+# outside XLA), or the executor recomputes the segment while the forward pass still runs it,
+# and holds both (tests/test_gates.py).
+#
+# Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
+# BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
+# them). A fusion closes a cycle through a gate only if it merges an op before the gate with
+# an op after it, and fusions merge ops that read one another or read one tensor. Ops after a
+# gate read its outputs, their own step's copies and gradients, and constants; tensors made
+# before it are read afterwards only by later gates and by the AddN summing gradient parts,
+# and no fusion takes those in. Control dependencies alone give no such guarantee (a fused
+# op inherits the control edges of what it absorbed), and XLA ignores them. A step without
+# copies (variable reads) has no gate: it only passes arriving gradients on to kept tensors.
+
+
+def waits(
+    view: ForwardView, reached: Sequence[tf.Tensor], found: Sequence[tf.Tensor]
+) -> tuple[list[bool], list[tf.Operation]]:
+    """What the gate of a step whose gradients arrive at `reached` waits for besides them
+    (NOTE [gates]): for each of `found` (what the gradient parts found since the last gate
+    are for), whether its part is waited for, not left to a later gate; and the ops of `view`
+    making `reached` whose forward pass need not have run when those gradients arrive."""
+    execution = execution_of(view)
+    ran = execution.forward_before_gradients(reached)
+    picked = [not execution.forward_before_gradients([t]) & ~ran for t in found]
+    making = dict.fromkeys(t.op for t in reached)
+    not_run = [op for op in making if not ran >> view.position[op] & 1]
+    return picked, not_run
 
 
 def gate(
