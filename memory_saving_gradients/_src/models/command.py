@@ -259,8 +259,7 @@ def _causal_lm(family: str) -> Callable[[int, Shape], Model]:
 
         first = {name: value[:1] for name, value in x.items()}
         variables = _variables_read_by(lambda: lm(first, training=True))
-        blocks = tuple(layer.name for layer in lm.backbone.transformer_layers)
-        return Model(depth, variables, loss, blocks)
+        return Model(depth, variables, loss, transformers.decoder_blocks(lm))
 
     return build
 

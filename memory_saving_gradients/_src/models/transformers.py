@@ -142,6 +142,12 @@ HUB_FAMILIES = {
 }  # fmt: skip
 
 
+def decoder_blocks(causal_lm: keras.Model) -> tuple[str, ...]:
+    """The names of a keras-hub causal LM's decoder blocks: what per-block checkpoints keep
+    (`msg.keras.layer_outputs` of them)."""
+    return tuple(layer.name for layer in causal_lm.backbone.transformer_layers)
+
+
 def causal_lm(
     family: str,
     layers_count: int = 4,

@@ -190,10 +190,8 @@ def _train_step(workload: Workload, method: str) -> tuple[Any, Any]:
             workload.model, layers_count=workload.depth, hidden=workload.width, **sizes
         )
     if method == "blocks":
-        blocks = task.model.backbone.transformer_layers
-        msg.keras.enable(
-            task.model, checkpoints=msg.keras.layer_outputs(*(b.name for b in blocks))
-        )
+        blocks = transformers.decoder_blocks(task.model)
+        msg.keras.enable(task.model, checkpoints=msg.keras.layer_outputs(*blocks))
     elif method != "plain":
         msg.keras.enable(task.model, checkpoints=_checkpoints(method))
     model = task.compile()
