@@ -160,3 +160,43 @@ def test_patched_v1_minimize_gates_gradients_as_tensorflow_does(optimizer):
                 return session.run(trained)
 
     assert_same_gradients(train(patched=False), train(patched=True))
+
+
+@pytest.mark.parametrize("gate_gradients", [False, True])
+def test_a_mean_reached_before_its_sum_waits_for_the_forward_pass(gate_gradients):
+    """Keras's loss is `div_no_nan(sum, count)`, whose gradient for the sum reads the count
+    alone: the step recomputing the segment behind a kept sum is reached before the forward
+    pass has made it, and its gate waits for the sum's forward op (NOTE [gates]). In a Session,
+    with either `gate_gradients`, and through a patched v1 `minimize`: TensorFlow's gradients,
+    and weights after two steps equal to its own."""
+
+    def build(patched: bool):
+        model = SwishMLP()
+        x = tf1.placeholder(tf.float32, model.x.shape)
+        _, hidden = model.loss(x)
+        total = tf.reduce_sum(tf.square(hidden[-1]))
+        loss = tf.math.divide_no_nan(total, float(BATCH))
+        kept = [hidden[3], hidden[7], total]
+        trained = [*model.weights, *model.biases]
+        if not patched:
+            grads = tf1.gradients(loss, trained, gate_gradients=gate_gradients)
+            return x, model, trained, grads, tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        grads = msg.gradients(loss, trained, checkpoints=kept, gate_gradients=gate_gradients)
+        waiting = [op for op in loss.graph.get_operations() if total.op in op.control_inputs]
+        assert waiting, "no step waits for the forward pass"
+        with msg.patched(kept):
+            step = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return x, model, trained, grads, step
+
+    results = []
+    for patched in (False, True):
+        with tf.Graph().as_default():
+            x, model, trained, grads, step = build(patched)
+            with tf1.Session() as session:
+                session.run(tf1.global_variables_initializer())
+                gradients = session.run(grads, {x: model.x})
+                for _ in range(2):
+                    session.run(step, {x: model.x})
+                results.append((gradients, session.run(trained)))
+    assert_same_gradients(results[0][0], results[1][0])
+    assert_same_gradients(results[0][1], results[1][1])
