@@ -339,6 +339,91 @@ def test_custom_gradients_of_nested_steps_read_the_copies_around_them():
     assert measured <= 1.1 * seen["peak"], (measured, seen["peak"])
 
 
+def scaled_attention_step(checkpoints):
+    """Four blocks of attention scaling its logits after the product of queries and keys, as
+    `keras.ops.dot_product_attention` does (batch 8, 256 tokens, width 32), differentiated
+    with `checkpoints` (None: `tf.gradients`) in a `tf.function`. Returns the step, the
+    predicted peak of what runs (plain backprop's where the plan does not pay; None for
+    `tf.gradients`), and the Mul ops that TensorFlow's
+    optimizers left multiplying a softmax by a constant: a product computed in the forward
+    pass (NOTE [products reassociated ahead] in `ordering.py`)."""
+    from tensorflow.python.eager import context
+
+    weights = [
+        tf.Variable(tf.random.stateless_normal([32, 96], [i, 0]) * 0.1) for i in range(4)
+    ]
+    x = tf.random.stateless_normal([8, 256, 32], [99, 0])
+    seen = {}
+
+    @tf.function
+    def step():
+        h = x
+        for w in weights:
+            q, k, v = tf.split(tf.einsum("bsd,de->bse", h, w), 3, axis=-1)
+            logits = tf.einsum("bqd,bkd->bqk", q, k) * 32**-0.5
+            h = h + tf.einsum("bqk,bkd->bqd", tf.nn.softmax(logits), v)
+        loss = tf.reduce_sum(h * h)
+        if checkpoints is None:
+            return tf.gradients(loss, weights)
+        plan = msg.plan(loss, weights, checkpoints=checkpoints)
+        seen.update(peak=plan.peak_bytes if plan.pays else plan.plain_peak_bytes)
+        return msg.gradients(loss, weights, checkpoints=checkpoints)
+
+    context.context().enable_run_metadata()
+    try:
+        step()
+        metadata = context.context().export_run_metadata()
+    finally:
+        context.context().disable_run_metadata()
+    ahead = []
+    for function in metadata.function_graphs:
+        graph = function.post_optimization_graph
+        nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+        types = {n.name: n.op for n in nodes}
+        for node in nodes:
+            read = [types.get(name.lstrip("^").split(":")[0]) for name in node.input]
+            if node.op == "Mul" and "Const" in read and {"Softmax", "_MklSoftmax"} & set(read):
+                ahead.append(node.name)
+    return step, seen.get("peak"), ahead
+
+
+def scaled_attention_peaks(checkpoints: str) -> tuple[int, int, list[str]]:
+    """Measured (least of three steps, one inter-op thread) and predicted peak of
+    `scaled_attention_step(checkpoints)`, and its products run ahead."""
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    step, predicted, ahead = scaled_attention_step(checkpoints)
+    return min(peak_memory(step) for _ in range(3)), predicted, ahead
+
+
+_SCALED_ATTENTION_PEAKS = """
+import json
+import sys
+from tests.test_memory import scaled_attention_peaks
+print(json.dumps(scaled_attention_peaks(sys.argv[1])))
+"""
+
+
+def test_tensorflow_multiplies_a_softmax_by_its_scale_ahead_of_backprop():
+    """The premise of the test below: plain backprop's `(g * softmax) * scale` becomes
+    `g * (softmax * scale)` in TensorFlow's optimizers, one per block."""
+    _, _, ahead = scaled_attention_step(None)
+    assert len(ahead) == 4, ahead
+
+
+@pytest.mark.tf2_only
+@pytest.mark.parametrize("checkpoints", ["speed", "memory"])
+def test_a_scaled_softmax_is_not_multiplied_ahead_and_its_steps_are_as_predicted(checkpoints):
+    """No product of a softmax and its scale runs ahead of backprop (it held one more
+    attention matrix per block: 'speed', which falls back to plain backprop here, measured
+    23.75 MiB where 16.0 were predicted; 17.5 now), and a nested step waits for the gradient
+    reading its outer copy of the softmax before recomputing it ('memory': 10.25 MiB where
+    7.5 were predicted; 8.5 now). One inter-op thread, whose executor ran that step first."""
+    out = run_python("-c", _SCALED_ATTENTION_PEAKS, checkpoints)
+    measured, predicted, ahead = json.loads(out.strip().splitlines()[-1])
+    assert not ahead
+    assert measured <= 1.2 * predicted, (measured, predicted)
+
+
 def dual_chain_peak_mb(checkpointed: bool) -> float:
     """The original library's "dual chain rewrite" (its memory_test.py), in its Session
     configuration: two chains of 5 ops from constants, `y = a[-1] + b[-1]`, differentiated

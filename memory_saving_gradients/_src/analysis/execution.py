@@ -115,6 +115,12 @@ class Execution:
         below = self._forward_below
         return functools.reduce(operator.or_, (self._arriving_at(t, below) for t in tensors), 0)
 
+    def forward_through(self, ops: Sequence[tf.Operation]) -> int:
+        """The ops that have run once `ops` have, as a bitset of their positions: `ops` and
+        every op they are computed from."""
+        above = self._forward_above
+        return functools.reduce(operator.or_, (above[op] for op in ops), 0)
+
     def _arriving_at(self, tensor: tf.Tensor, below: dict[tf.Operation, int]) -> int:
         """`forward_before_gradients` of `tensor`, given `below` for the ops reading it."""
         read = self._read_by_gradient

@@ -165,6 +165,7 @@ class _Backprop:
         )
         made = graph.get_operations()[first_new:]
         self._read_recomputed(made, copies)
+        ordering.products_kept_in_order(made, [g for g in _flat(grad_ys or []) if g is not None])
         self.receive(targets, gradients)
         kept_parts = [
             gradient
@@ -454,8 +455,11 @@ def plain_gradients(
     options: GradientOptions,
     unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
 ) -> list[Gradient | None]:
-    """What `tf.gradients` gives, nothing recomputed."""
-    return _tf.tensorflow_gradients(
+    """What `tf.gradients` gives, nothing recomputed, its products kept in the order it made
+    them (NOTE [products reassociated ahead] in `ordering.py`)."""
+    graph = ys[0].graph
+    first_new = len(graph.get_operations())
+    gradients = _tf.tensorflow_gradients(
         list(ys),
         list(xs),
         None if grad_ys is None else list(grad_ys),
@@ -466,6 +470,9 @@ def plain_gradients(
         stop_gradients=list(options.stop_gradients),
         unconnected_gradients=unconnected_gradients,
     )
+    arriving = [g for g in _flat(grad_ys or []) if g is not None]
+    ordering.products_kept_in_order(graph.get_operations()[first_new:], arriving)
+    return gradients
 
 
 def _flat(gradients: Sequence[Gradient]) -> list[tf.Tensor]:

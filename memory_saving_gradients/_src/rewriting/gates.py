@@ -36,7 +36,10 @@ from memory_saving_gradients._src.analysis.view import ForwardView
 # Keras's loss is a mean, `div_no_nan(sum, count)`, whose gradient for the sum reads the
 # count alone. The gate then waits for that boundary's forward op too (a control dependency,
 # outside XLA), or the executor recomputes the segment while the forward pass still runs it,
-# and holds both (tests/test_gates.py).
+# and holds both (tests/test_gates.py); and so for the parts whose forward pass has run once
+# that op has. A nested step reaches a softmax before the op making its outer copy, and the
+# attention product's gradient reading that copy would otherwise run after the step has
+# recomputed the softmax once more, both held (tests/test_memory.py).
 #
 # Graph optimizers fuse ops the rewrite does not control (oneDNN on x86 CPUs merges a
 # BiasAddGrad into any Conv2DBackpropFilter that reads the same tensor, whatever lies between
@@ -58,9 +61,10 @@ def waits(
     making `reached` whose forward pass need not have run when those gradients arrive."""
     execution = execution_of(view)
     ran = execution.forward_before_gradients(reached)
-    picked = [not execution.forward_before_gradients([t]) & ~ran for t in found]
     making = dict.fromkeys(t.op for t in reached)
     not_run = [op for op in making if not ran >> view.position[op] & 1]
+    ran |= execution.forward_through(not_run)
+    picked = [not execution.forward_before_gradients([t]) & ~ran for t in found]
     return picked, not_run
 
 
@@ -203,6 +207,16 @@ def _minus_zero(tensor: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
             return tf.subtract(tensor, tf.cast(zero, dtype))
         with tf.control_dependencies([zero]):
             return tf.raw_ops.Identity(input=tensor)
+
+
+def opaque(tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor` itself (its buffer, no copy), passed through an op graph optimizers cannot see
+    through: a slice of its whole extent from a zero they do not know (NOTE [products
+    reassociated ahead] in `ordering.py`)."""
+    starts: dict[int | None, tuple] = {}
+    passed = _passed_after(tensor, _unfoldable_zero(tensor.graph), starts)
+    passed.set_shape(tensor.shape)
+    return passed
 
 
 def _passed_after(tensor: tf.Tensor, zero: tf.Tensor, starts: dict) -> tf.Tensor:

@@ -1,6 +1,8 @@
 """The order of the backward pass's ops: which weight gradients of one gradient call run before
-the data gradients beside them (NOTE [weight gradients first]), and the gradients of the xs
-passed on only once the reads of their variables have run (NOTE [updates after reads])."""
+the data gradients beside them (NOTE [weight gradients first]), products of gradients kept from
+being reordered into the forward pass (NOTE [products reassociated ahead]), and the gradients
+of the xs passed on only once the reads of their variables have run (NOTE [updates after
+reads])."""
 
 from __future__ import annotations
 
@@ -157,6 +159,51 @@ def _goes_straight_on(gradient: tf.Operation, order: _Order) -> bool:
 _FILTER_GRADIENTS = frozenset({"Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter"})
 #: Ops whose values are ready before the gradients reading them: shapes and constants.
 _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
+
+
+# NOTE [products reassociated ahead]: TensorFlow's graph optimizers reorder a chain of
+# products so that the operands with fewer elements are multiplied first (the arithmetic
+# optimizer's broadcast minimisation; constant folding pushes a constant factor down the same
+# way). Where a gradient multiplies a product of a gradient and a forward tensor by a smaller
+# factor, `(g * softmax) * scale` (a softmax's gradient met by that of the scaling before it,
+# as `keras.ops.dot_product_attention` scales its logits), it becomes `g * (softmax *
+# scale)`, and `softmax * scale`, reading no gradient, runs as soon as the softmax exists: in
+# the forward pass, or as a step's recomputation starts. That tensor, as large as the
+# attention scores, is then held until backprop reaches it, one more such matrix per block
+# than backprop needs (a Keras encoder without attention dropout, tests/test_memory.py).
+# So the multiplication by the smaller factor reads the product through `gates.opaque`,
+# which the optimizers cannot see through. Not under XLA, whose own passes decide there.
+def products_kept_in_order(made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor]) -> None:
+    """Keep the products of gradients that one gradient call `made` (from the gradients
+    `arriving`) in the order it made them (NOTE [products reassociated ahead])."""
+    if not made or _tf.compiled_by_xla(made[0].graph):
+        return
+    ours = set(made)
+    gradients = {t.ref() for t in arriving}
+    for op in made:
+        for index in _PRODUCT_OPERANDS.get(op.type, ()):
+            product, factor = op.inputs[index], op.inputs[1 - index]
+            if (
+                product.op in ours
+                and product.op.type == "Mul"
+                and _fewer_elements(factor, product)
+                and any(t.op not in ours and t.ref() not in gradients for t in product.op.inputs)
+            ):
+                _tf.replace_input(op, index, gates.opaque(product))
+                break
+
+
+#: The operands of each product op that the optimizers reassociate with its other one.
+_PRODUCT_OPERANDS = {"Mul": (0, 1), "RealDiv": (0,)}
+
+
+def _fewer_elements(factor: tf.Tensor, product: tf.Tensor) -> bool:
+    """Whether `factor` is known to have fewer elements than `product` (a broadcast)."""
+    if not factor.shape.is_fully_defined():
+        return False
+    count = factor.shape.num_elements()
+    known = product.shape.is_fully_defined()
+    return count == 1 or (known and count < product.shape.num_elements())
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its
