@@ -349,9 +349,7 @@ def scaled_attention_step(checkpoints):
     pass (NOTE [products reassociated ahead] in `ordering.py`)."""
     from tensorflow.python.eager import context
 
-    weights = [
-        tf.Variable(tf.random.stateless_normal([32, 96], [i, 0]) * 0.1) for i in range(4)
-    ]
+    weights = [tf.Variable(tf.random.stateless_normal([32, 96], [i, 0]) * 0.1) for i in range(4)]
     x = tf.random.stateless_normal([8, 256, 32], [99, 0])
     seen = {}
 
@@ -403,6 +401,7 @@ print(json.dumps(scaled_attention_peaks(sys.argv[1])))
 """
 
 
+@pytest.mark.tf2_only
 def test_tensorflow_multiplies_a_softmax_by_its_scale_ahead_of_backprop():
     """The premise of the test below: plain backprop's `(g * softmax) * scale` becomes
     `g * (softmax * scale)` in TensorFlow's optimizers, one per block."""

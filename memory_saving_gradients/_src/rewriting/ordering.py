@@ -172,7 +172,8 @@ _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 # attention scores, is then held until backprop reaches it, one more such matrix per block
 # than backprop needs (a Keras encoder without attention dropout, tests/test_memory.py).
 # So the multiplication by the smaller factor reads the product through `gates.opaque`,
-# which the optimizers cannot see through. Not under XLA, whose own passes decide there.
+# which the optimizers cannot see through. Not under XLA, whose own passes decide there, nor
+# inside a TF1 while loop or cond, whose frames the pass would have to enter.
 def products_kept_in_order(made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor]) -> None:
     """Keep the products of gradients that one gradient call `made` (from the gradients
     `arriving`) in the order it made them (NOTE [products reassociated ahead])."""
@@ -181,6 +182,8 @@ def products_kept_in_order(made: Sequence[tf.Operation], arriving: Sequence[tf.T
     ours = set(made)
     gradients = {t.ref() for t in arriving}
     for op in made:
+        if _tf.in_v1_control_flow(op):  # a pass built outside its frame could not read it
+            continue
         for index in _PRODUCT_OPERANDS.get(op.type, ()):
             product, factor = op.inputs[index], op.inputs[1 - index]
             if (
