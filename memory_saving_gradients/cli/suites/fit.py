@@ -1,6 +1,6 @@
 """Keras `fit`: each method's activation peak, its predicted ratio to plain's and its step
-time, on a deep residual CNN, a transformer encoder, a causal decoder and a keras-hub Llama
-(`_src/models/transformers.py`).
+time, on a deep residual CNN, a transformer encoder (with attention dropout and without), a
+causal decoder and a keras-hub Llama (`_src/models/transformers.py`).
 
 One training step is `train_on_batch`, the train function `fit` runs (SGD with momentum;
 AdamW for the keras-hub model, whose decoder blocks per-block checkpoints keep).
@@ -37,13 +37,15 @@ class Workload:
     """A model `fit` trains: 'residual' (`residual_cnn`), 'encoder' (`transformers.encoder`),
     'decoder' (`transformers.decoder`) or a keras-hub family (`transformers.causal_lm`), its
     depth (blocks), width (channels or model dimension), input size (image side or tokens)
-    and batch."""
+    and batch; the encoder's attention dropout (without it, Keras scales the logits after the
+    query-key product, as `keras.ops.dot_product_attention` does)."""
 
     model: str
     depth: int
     width: int
     size: int
     batch: int
+    dropout: float = 0.1
 
     def describe(self) -> str:
         if self.model == "residual":
@@ -54,10 +56,13 @@ class Workload:
         name = {"encoder": "transformer encoder", "decoder": "causal decoder"}.get(
             self.model, f"keras-hub {self.model} causal LM"
         )
-        return (
+        described = (
             f"{name} of {self.depth} blocks, width {self.width}, "
             f"{self.size} tokens, batch {self.batch}"
         )
+        if self.model == "encoder" and not self.dropout:
+            described += ", no attention dropout"
+        return described
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -68,6 +73,7 @@ class Workload:
 FULL = (
     Workload("residual", 20, 16, 32, 8),
     Workload("encoder", 8, 64, 256, 8),
+    Workload("encoder", 8, 64, 256, 8, dropout=0.0),
     Workload("decoder", 6, 256, 512, 4),
     Workload("llama", 4, 128, 256, 4),
 )
@@ -182,9 +188,12 @@ def _train_step(workload: Workload, method: str) -> tuple[Any, Any]:
     sizes = {"length": workload.size, "batch": workload.batch, "batches": 1}
     if workload.model == "residual":
         task = residual_cnn(workload.depth, workload.width, workload.size, workload.batch)
-    elif workload.model in ("encoder", "decoder"):
-        builder = getattr(transformers, workload.model)
-        task = builder(blocks=workload.depth, width=workload.width, **sizes)
+    elif workload.model == "encoder":
+        task = transformers.encoder(
+            blocks=workload.depth, width=workload.width, dropout=workload.dropout, **sizes
+        )
+    elif workload.model == "decoder":
+        task = transformers.decoder(blocks=workload.depth, width=workload.width, **sizes)
     else:
         task = transformers.causal_lm(
             workload.model, layers_count=workload.depth, hidden=workload.width, **sizes
