@@ -47,6 +47,13 @@ class Workload:
     batch: int
     dropout: float = 0.1
 
+    @property
+    def slug(self) -> str:
+        """What names its plot: the model, and whether the encoder drops attention out."""
+        if self.model == "encoder" and not self.dropout:
+            return "encoder-no-dropout"
+        return self.model
+
     def describe(self) -> str:
         if self.model == "residual":
             return (
@@ -87,7 +94,10 @@ def run(page: Page, quick: bool, device: str) -> None:
         f"`train_on_batch`, float32, on {device}. *MiB*: the largest activation peak of "
         f"{steps} steps after the first, in a process of its own; *shared*: the same in one "
         "process after the methods before it; *predicted*: the plan's peak over plain "
-        f"backprop's; *time*: the median of {repeats} steps taken in turns, over plain's."
+        "backprop's as simulated (which, where attention scales its logits after the "
+        "query-key product, leaves out the attention matrix per block that TensorFlow's own "
+        "optimizers make plain backprop hold: docs/internals/memory-model.md); *time*: the "
+        f"median of {repeats} steps taken in turns, over plain's."
     )
     for workload in workloads:
         progress(f"fit: {workload.describe()}")
@@ -115,9 +125,9 @@ def run(page: Page, quick: bool, device: str) -> None:
         ]
         title = f"Keras fit, {workload.describe()}"
         page.plot(
-            workload.model,
+            workload.slug,
             functools.partial(plots.frontier, points, title=title, joined="MemoryBudget"),
-            f"step time against activation memory, {workload.model}",
+            f"step time against activation memory, {workload.slug}",
         )
 
 
