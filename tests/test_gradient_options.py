@@ -200,3 +200,70 @@ def test_a_mean_reached_before_its_sum_waits_for_the_forward_pass(gate_gradients
                 results.append((gradients, session.run(trained)))
     assert_same_gradients(results[0][0], results[1][0])
     assert_same_gradients(results[0][1], results[1][1])
+
+
+def scaled_attention_loss(weights, x):
+    """Blocks of attention scaling its logits after the query-key product (as
+    `keras.ops.dot_product_attention` does), whose backprop TensorFlow's optimizers would
+    reorder (NOTE [products reassociated ahead] in `ordering.py`)."""
+    h = x
+    for w in weights:
+        q, k, v = tf.split(tf.einsum("bsd,de->bse", h, w), 3, axis=-1)
+        logits = tf.einsum("bqd,bkd->bqk", q, k) * 16**-0.5
+        h = h + tf.einsum("bqk,bkd->bqd", tf.nn.softmax(logits), v)
+    return tf.reduce_sum(h * h)
+
+
+@pytest.mark.parametrize("option", ["gate_gradients", "aggregation_tree", "not_colocated"])
+@pytest.mark.parametrize("strategy", ["memory", "speed"])
+def test_scaled_attention_keeps_its_gradient_products_in_order_in_a_session(strategy, option):
+    """In a Session graph (and under TF1 behaviour, with reference variables), with each
+    option: the rewrite's products by the scale read the product before them through an
+    opaque pass, TensorFlow's optimizers leave no softmax multiplied by a constant, and the
+    gradients are TensorFlow's."""
+    rng = np.random.RandomState(0)
+    with tf.Graph().as_default():
+        weights = [tf1.Variable((rng.randn(16, 48) * 0.2).astype(np.float32)) for _ in range(3)]
+        x = tf1.placeholder(tf.float32, [4, 64, 16])
+        loss = scaled_attention_loss(weights, x)
+        reference = tf1.gradients(loss, weights, **OPTIONS[option])
+        before = len(tf1.get_default_graph().get_operations())
+        got = msg.gradients(loss, weights, checkpoints=strategy, **OPTIONS[option])
+        scales = [
+            op
+            for op in tf1.get_default_graph().get_operations()[before:]
+            if op.type == "Mul" and "_grad/" in op.name and _reads_the_scale(op)
+        ]
+        assert len(scales) >= len(weights)
+        for op in scales:
+            assert {t.op.type for t in op.inputs} == {"Const", "Slice"}, op.name
+        feed = {x: rng.randn(4, 64, 16).astype(np.float32)}
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            want = session.run(reference, feed)
+            metadata = tf1.RunMetadata()
+            have = session.run(
+                got,
+                feed,
+                options=tf1.RunOptions(output_partition_graphs=True),
+                run_metadata=metadata,
+            )
+    assert_same_gradients(want, have)
+    nodes = [n for graph in metadata.partition_graphs for n in graph.node]
+    types = {n.name: n.op for n in nodes}
+    ahead = [
+        n.name
+        for n in nodes
+        if n.op == "Mul"
+        and "Const" in (read := [types.get(i.lstrip("^").split(":")[0]) for i in n.input])
+        and {"Softmax", "_MklSoftmax"} & set(read)
+    ]
+    assert not ahead, ahead
+
+
+def _reads_the_scale(op: tf.Operation) -> bool:
+    """Whether `op` reads the constant 16**-0.5 that `scaled_attention_loss` scales by."""
+    return any(
+        t.op.type == "Const" and t.shape.rank == 0 and np.isclose(tf.get_static_value(t), 0.25)
+        for t in op.inputs
+    )

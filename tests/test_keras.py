@@ -556,3 +556,23 @@ def test_adams_update_temporaries_are_predicted():
     weight = 1024 * 1024 * 4
     assert 1.5 * weight <= predicted - predicted_sgd <= 2.5 * weight, (predicted, predicted_sgd)
     assert 0.9 * predicted <= measured <= 1.3 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("checkpoints", ["speed", "memory"])
+def test_attention_without_dropout_trains_as_keras(checkpoints, jit_compile):
+    """Keras's `MultiHeadAttention` without dropout scales its logits after the query-key
+    product, whose backprop the rewrite keeps in order where TensorFlow's optimizers reorder
+    it (NOTE [products reassociated ahead]): `fit` ends with Keras's own weights, with XLA too
+    (where the rewrite leaves the order to XLA)."""
+    from memory_saving_gradients._src.models import transformers
+
+    def trained(enabled: bool) -> keras.Model:
+        task = transformers.encoder(blocks=2, width=32, length=64, batch=8, batches=2, dropout=0.0)
+        if enabled:
+            msg.keras.enable(task.model, checkpoints=checkpoints)
+        model = task.compile(jit_compile=jit_compile)
+        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    assert_same_weights(trained(True), trained(False), rtol=1e-4, atol=1e-6)

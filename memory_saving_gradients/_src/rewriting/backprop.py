@@ -165,7 +165,7 @@ class _Backprop:
         )
         made = graph.get_operations()[first_new:]
         self._read_recomputed(made, copies)
-        ordering.products_kept_in_order(made, [g for g in _flat(grad_ys or []) if g is not None])
+        ordering.products_kept_in_order(made, _flat(grad_ys or []))
         self.receive(targets, gradients)
         kept_parts = [
             gradient
@@ -470,8 +470,7 @@ def plain_gradients(
         stop_gradients=list(options.stop_gradients),
         unconnected_gradients=unconnected_gradients,
     )
-    arriving = [g for g in _flat(grad_ys or []) if g is not None]
-    ordering.products_kept_in_order(graph.get_operations()[first_new:], arriving)
+    ordering.products_kept_in_order(graph.get_operations()[first_new:], _flat(grad_ys or []))
     return gradients
 
 

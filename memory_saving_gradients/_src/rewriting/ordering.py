@@ -174,13 +174,16 @@ _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 # So the multiplication by the smaller factor reads the product through `gates.opaque`,
 # which the optimizers cannot see through. Not under XLA, whose own passes decide there, nor
 # inside a TF1 while loop or cond, whose frames the pass would have to enter.
-def products_kept_in_order(made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor]) -> None:
+def products_kept_in_order(
+    made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor | None]
+) -> None:
     """Keep the products of gradients that one gradient call `made` (from the gradients
-    `arriving`) in the order it made them (NOTE [products reassociated ahead])."""
+    `arriving`, None where none arrives) in the order it made them (NOTE [products
+    reassociated ahead])."""
     if not made or _tf.compiled_by_xla(made[0].graph):
         return
     ours = set(made)
-    gradients = {t.ref() for t in arriving}
+    gradients = {t.ref() for t in arriving if t is not None}
     for op in made:
         if _tf.in_v1_control_flow(op):  # a pass built outside its frame could not read it
             continue
