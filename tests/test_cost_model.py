@@ -329,3 +329,15 @@ def test_gradient_uses_are_kept_for_a_bounded_number_of_op_kinds(monkeypatch):
         again = gradient_uses.gradient_use(ops[0])
         assert (again.reads, again.needs) == (first.reads, first.needs)
         assert len(gradient_uses._GRADIENT_USES) == 2
+
+
+def test_a_product_of_a_tensor_with_itself_is_a_kind_of_op_apart(monkeypatch):
+    """`x * x`'s gradient reads one placeholder for both inputs; `a * b`, of the same type,
+    shapes and dtypes, reads the other input for each, which it would not be told if it took
+    the gradient use of `x * x`."""
+    monkeypatch.setattr(gradient_uses, "_GRADIENT_USES", {})
+    with tf.Graph().as_default():
+        a, b = (tf.compat.v1.placeholder(tf.float32, [4, 8]) for _ in range(2))
+        gradient_uses.gradient_use((a * a).op)
+        product = gradient_uses.gradient_use((a * b).op)
+    assert product.reads == ((frozenset({1}), frozenset()), (frozenset({0}), frozenset()))

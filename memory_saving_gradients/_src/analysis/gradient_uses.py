@@ -26,6 +26,7 @@ class GradientStep:
     Attributes:
       name: its name in the function, which is its name in backprop's scope for the op
         (`gradients/<op>_grad/<name>`): what a profiled step's kernels are matched by.
+      kind: its op's type.
       outputs: ids of its output tensors.
       sizes: bytes of each output.
       reads: ids of the tensors it reads (those made outside the function at run time: the
@@ -37,6 +38,7 @@ class GradientStep:
     """
 
     name: str
+    kind: str
     outputs: tuple[int, ...]
     sizes: tuple[int, ...]
     reads: tuple[int, ...]
@@ -108,14 +110,16 @@ KINDS_KEPT = 4096
 
 def gradient_use(op: tf.Operation) -> GradientUse | None:
     """What `op`'s registered gradient reads and makes (None where unknown), found once for
-    each kind of op: type, attributes, input dtypes and shapes, and whether it runs on CPU
-    kernels."""
+    each kind of op: type, attributes, input dtypes and shapes, which inputs are one tensor
+    (`x * x` reads one placeholder for both), and whether it runs on CPU kernels."""
     attrs = op.node_def.attr  # the NodeDef is serialized on each access
     cpu = kernels.runs_cpu_kernels(op)
+    inputs = list(op.inputs)
     key = (
         op.type,
         tuple((k, attrs[k].SerializeToString()) for k in sorted(attrs)),
-        tuple((t.dtype, queries.static_shape(t)) for t in op.inputs),
+        tuple((t.dtype, queries.static_shape(t)) for t in inputs),
+        tuple(next(j for j, u in enumerate(inputs) if u is t) for t in inputs),
         cpu,
     )
     if key not in _GRADIENT_USES:
@@ -147,6 +151,7 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
         steps.append(
             GradientStep(
                 name=body_op.name,
+                kind=body_op.type,
                 outputs=tuple(id(t) for t in body_op.outputs),
                 sizes=sizes,
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
