@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients._src.analysis import costs, gradient_uses, kernels
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import simulation
 from memory_saving_gradients._src.planning.simulation import executor
@@ -171,3 +172,54 @@ def test_a_gradients_kernels_are_timed_as_measured_else_share_its_time():
     assert kernel_seconds(measured, two) == [0.5, 2.5]
     unnamed = dataclasses.replace(measured, gradient_kernel_seconds=(("renamed", 3.0),))
     assert kernel_seconds(unnamed, two) == [1.5, 1.5]
+
+
+def _products_ahead(block, jit_compile=False, scope="block"):
+    """`Execution.products_ahead` of two `block`s of a 64-wide layer in a `tf.function`, under
+    the name `scope`, by op type and the type of the tensor each op's product reads; and the
+    plain peaks of `tf.gradients` and of `gradients`, which keeps its products in order."""
+    found = {}
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def step(x, *weights):
+        h = x
+        with tf.name_scope(scope):
+            for w in weights:
+                h = block(h @ w)
+        view = ForwardView.build([tf.reduce_sum(h * h)], list(weights))
+        ahead = execution_of(view).products_ahead
+        found["ahead"] = sorted((op.type, t.op.type) for op, t in ahead.items())
+        plan = msg.Plan(view, [()], "plain")
+        found["peaks"] = plan.plain_peak_bytes, plan.fallback_peak_bytes
+        return h
+
+    step.get_concrete_function(
+        *[tf.TensorSpec(shape, tf.float32) for shape in ([32, 64],) + ([64, 64],) * 2]
+    )
+    return found["ahead"], found["peaks"]
+
+
+def test_a_softmax_of_scaled_logits_is_multiplied_by_the_scale_in_plain_backprops_forward_pass():
+    """`(g * softmax) * scale` becomes `g * (softmax * scale)`, held from the forward pass on
+    beside the softmax, which backprop reads too: one more tensor in `tf.gradients`' peak
+    than in that of `gradients`, which keeps the order. Not where the softmax's name sorts
+    after the gradients' (`gradients/...`), whose product the optimizers then take first."""
+    ahead, (plain, in_order) = _products_ahead(lambda h: tf.nn.softmax(h * 0.125))
+    assert ahead == [("Softmax", "Softmax")] * 2
+    assert plain - in_order == 32 * 64 * 4
+    later, (plain, in_order) = _products_ahead(lambda h: tf.nn.softmax(h * 0.125), scope="z")
+    assert later == [] and plain == in_order
+
+
+def test_a_forward_tensor_multiplied_last_is_held_as_a_product_only_where_backprop_reads_it_too():
+    """`(h * 0.5) * tanh(h)`: the gradient reaching `h * 0.5` ends in `g * tanh(h)`, whose
+    `tanh(h) * 0.5` is held beside `tanh(h)`, which its own gradient reads. GELU's
+    `(0.5 * h) * erfc(-h / sqrt 2)`: nothing else reads the erfc, which the product replaces.
+    A factor with a gradient of its own (a learned scale), or no smaller one, is left alone,
+    as is everything under XLA."""
+    assert _products_ahead(lambda h: (h * 0.5) * tf.tanh(h))[0] == [("Mul", "Tanh")] * 2
+    assert _products_ahead(lambda h: tf.nn.gelu(h, approximate=False))[0] == []
+    assert _products_ahead(lambda h: tf.nn.softmax(h * tf.tanh(h[:1])))[0] == []
+    assert _products_ahead(lambda h: (h * tf.ones([32, 64])) * tf.tanh(h))[0] == []
+    xla, (plain, in_order) = _products_ahead(lambda h: tf.nn.softmax(h * 0.125), jit_compile=True)
+    assert xla == [] and plain == in_order

@@ -325,7 +325,7 @@ def _log_plain(plan: Plan | None, checkpoints: CheckpointsArg) -> None:
         (logger.warning if chosen else logger.info)(
             "%s predicts an activation peak of %.1f MiB, not below plain backprop's %.1f MiB: "
             "computing plain gradients.%s",
-            plan.strategy, plan.peak_bytes / MIB, plan.plain_peak_bytes / MIB,
+            plan.strategy, plan.peak_bytes / MIB, plan.fallback_peak_bytes / MIB,
             " checkpoints='memory' chooses checkpoints that pay, or none." if chosen else "",
         )  # fmt: skip
 

@@ -2,8 +2,9 @@
 know beyond what a checkpointing policy decides on (`ForwardView`).
 
 That is: which tensors the step makes outside the view for its ops, when the ops computed
-from weights alone run, which forward ops have run once given gradients arrive, and where
-the gradients of the xs arrive (at the xs' variable reads).
+from weights alone run, which forward ops have run once given gradients arrive, where
+the gradients of the xs arrive (at the xs' variable reads), and which products of plain
+backprop TensorFlow's optimizers move into the forward pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from functools import cached_property
 
 import tensorflow as tf
 
+from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis.gradient_uses import GradientUse
 from memory_saving_gradients._src.analysis.view import VARIABLE_READS, ForwardView, is_weight_value
 
 
@@ -52,6 +55,32 @@ class Execution:
                 ):
                     found[t.ref()] = t
         return tuple(found.values())
+
+    @cached_property
+    def products_ahead(self) -> dict[tf.Operation, tf.Tensor]:
+        """For each op whose gradient ends by multiplying what it made of the arriving
+        gradient by a forward tensor, where the op before it scales by a factor with fewer
+        elements and no gradient of its own: that forward tensor, where plain backprop's
+        `(g * tensor) * factor` becomes `g * (tensor * factor)` and backprop reads the tensor
+        otherwise too (NOTE [products ahead in plain backprop]). None under XLA, which
+        decides the order itself, and inside TF1 while loops and conds, where the rewrite
+        leaves the order to the optimizers too."""
+        view = self.view
+        if not view.ops or _tf.compiled_by_xla(view.ops[0].graph):
+            return {}
+        found = {}
+        for op in view.ops:
+            use = view.costs[op].gradient
+            if use is None or _tf.in_v1_control_flow(op):
+                continue
+            for index, scaled in enumerate(op.inputs):
+                if view.consumers(scaled) != [op] or not _scaled_by_a_factor(scaled, view):
+                    continue
+                tensor = _multiplied_last_and_read_otherwise(op, index, use, view)
+                if tensor is not None and _named_before_gradients(tensor):
+                    found[op] = tensor
+                    break
+        return found
 
     @cached_property
     def weight_op_waits(self) -> dict[tf.Operation, tuple[tf.Operation, ...]]:
@@ -217,3 +246,83 @@ def _allocated_in_step(tensor: tf.Tensor) -> bool:
         tensor = tensor.op.inputs[0]
     op = tensor.op
     return bool(op.inputs) and op.type not in kernels.RESIDENT and not is_weight_value(tensor)
+
+
+# NOTE [products ahead in plain backprop]: TensorFlow's graph optimizers reassociate a chain
+# of products so that a factor with fewer elements is multiplied first, and among operands of
+# one size they keep the order of their names. Plain backprop's `(g * tensor) * factor` (a
+# softmax's gradient met by that of the scaling before it, as `keras.ops.
+# dot_product_attention` scales its logits; a GELU's `(0.5 * x) * erfc(...)`) thus becomes
+# `g * (tensor * factor)` where the forward tensor's name sorts before the gradient's, which
+# are named under `gradients/` (`tf.gradients`) or `gradient_tape/` (a tape: Keras): a
+# tensor of a functional Keras model (`functional_1/...`) or of a function's own ops
+# (`Softmax`), not one of layers called under a later name (`multi_head_attention/...`).
+# `tensor * factor`, reading no gradient, runs as soon as the tensor exists and is held until
+# the op's gradient reads it: one more tensor of its size where backprop reads the tensor
+# too (a softmax's gradient reads it twice, the attention product's once), none where the
+# product replaces it (a GELU's erfc). The rewrite's gradients keep the order (NOTE
+# [products reassociated ahead] in `_src/rewriting/ordering.py`), so this is plain
+# backprop's alone.
+def _named_before_gradients(tensor: tf.Tensor) -> bool:
+    """Whether `tensor`'s name sorts before those of backprop's ops (NOTE [products ahead in
+    plain backprop])."""
+    name = tensor.op.name if tensor.value_index == 0 else tensor.name
+    return name < "gradient"
+
+
+#: The operands of each product op that may be a factor its gradient multiplies by.
+_FACTOR_OPERANDS = {"Mul": (0, 1), "RealDiv": (1,)}
+
+
+def _scaled_by_a_factor(tensor: tf.Tensor, view: ForwardView) -> bool:
+    """Whether the view's op making `tensor` multiplies or divides by a factor known to have
+    fewer elements than `tensor` (one, where its shape is open) and no gradient."""
+    op = tensor.op
+    if op not in view.position:
+        return False
+    for index in _FACTOR_OPERANDS.get(op.type, ()):
+        factor = op.inputs[index]
+        if factor.op in view.position or view.is_x(factor):
+            continue
+        if not factor.shape.is_fully_defined():
+            continue
+        count = factor.shape.num_elements()
+        if count == 1 or (tensor.shape.is_fully_defined() and count < tensor.shape.num_elements()):
+            return True
+    return False
+
+
+def _multiplied_last_and_read_otherwise(
+    op: tf.Operation, index: int, use: GradientUse, view: ForwardView
+) -> tf.Tensor | None:
+    """The forward tensor of `op` that its gradient for input `index` multiplies by in its
+    last step, where another step of that gradient or another op's gradient reads it too
+    (None otherwise)."""
+    returned = use.returned[index]
+    last = next((s for s in use.steps if returned in s.outputs), None)
+    if last is None or last.kind != "Mul" or len(last.reads) != 2:
+        return None
+    captured = {placeholder: (kind, i) for placeholder, kind, i in use.captured}
+    forward = [t for t in last.reads if t in captured]
+    if len(forward) != 1:
+        return None
+    kind, i = captured[forward[0]]
+    tensor = (op.inputs if kind == "in" else op.outputs)[i]
+    if any(s is not last and forward[0] in s.reads for s in use.steps):
+        return tensor
+    return tensor if _read_by_other_gradients(tensor, op, view) else None
+
+
+def _read_by_other_gradients(tensor: tf.Tensor, op: tf.Operation, view: ForwardView) -> bool:
+    """Whether the gradient of an op of the view other than `op` reads `tensor`."""
+    maker = tensor.op
+    if maker is not op and maker in view.position:
+        cost = view.costs[maker]
+        if any(maker.outputs[i] is tensor for i in cost.saved_outputs):
+            return True
+    for reader in view.consumers(tensor):
+        if reader is not op:
+            cost = view.costs[reader]
+            if any(reader.inputs[i] is tensor for i in cost.saved_inputs):
+                return True
+    return False

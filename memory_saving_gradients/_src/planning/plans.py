@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis import costs, kernels, queries
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import simulation
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment
@@ -34,6 +35,10 @@ class Plan:
       peak_bytes: the predicted activation peak of a step with this plan (bytes above what is
         resident before it: variables, inputs).
       plain_peak_bytes: the same for `tf.gradients`.
+      fallback_peak_bytes: the same for the plain gradients `gradients` computes where the
+        plan does not pay (`pays`): below `plain_peak_bytes` where TensorFlow's optimizers
+        move products of `tf.gradients` into the forward pass, which `gradients` keeps in
+        their order.
       recompute_flops_fraction: the forward compute backprop repeats, over the forward
         pass's (0: nothing recomputed; about 1 for one level over the whole pass): FLOPs by
         the static model, or kernel time where the costs are measured.
@@ -88,7 +93,7 @@ class Plan:
     @functools.cached_property
     def peak_bytes(self) -> int:
         if not self.checkpoints:
-            return self.plain_peak_bytes
+            return self.fallback_peak_bytes
         peak = simulation.checkpointed_peak(self.schedule)
         assert peak is not None  # no limit
         return peak
@@ -108,11 +113,23 @@ class Plan:
     def plain_peak_bytes(self) -> int:
         return simulation.plain_peak(self._view)
 
+    @functools.cached_property
+    def fallback_peak_bytes(self) -> int:
+        if not execution_of(self._view).products_ahead:
+            return self.plain_peak_bytes
+        return simulation.plain_peak(self._view, products_in_order=True)
+
     def predicted(self) -> Plan:
         """This plan with its predictions made now, of the graph as it is: gradients built
         later (TensorFlow's, of function calls and control flow) add outputs to forward ops,
         which would change predictions made after them."""
-        predictions = ("peak_bytes", "plain_peak_bytes", "recompute_flops_fraction", "pays")
+        predictions = (
+            "peak_bytes",
+            "plain_peak_bytes",
+            "fallback_peak_bytes",
+            "recompute_flops_fraction",
+            "pays",
+        )
         for prediction in (*predictions, "time_ratio"):
             getattr(self, prediction)
         return self
@@ -120,8 +137,9 @@ class Plan:
     @functools.cached_property
     def pays(self) -> bool:
         """Whether backprop with this plan recomputes something and is predicted to need less
-        memory than plain backprop; where not, `gradients` computes plain gradients."""
-        return self.recomputes and self.peak_bytes < self.plain_peak_bytes
+        memory than plain backprop as `gradients` computes it; where not, `gradients`
+        computes plain gradients."""
+        return self.recomputes and self.peak_bytes < self.fallback_peak_bytes
 
     @functools.cached_property
     def recomputes(self) -> bool:

@@ -167,12 +167,14 @@ _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 # way). Where a gradient multiplies a product of a gradient and a forward tensor by a smaller
 # factor, `(g * softmax) * scale` (a softmax's gradient met by that of the scaling before it,
 # as `keras.ops.dot_product_attention` scales its logits), it becomes `g * (softmax *
-# scale)`, and `softmax * scale`, reading no gradient, runs as soon as the softmax exists: in
-# the forward pass, or as a step's recomputation starts. That tensor, as large as the
-# attention scores, is then held until backprop reaches it, one more such matrix per block
-# than backprop needs (a Keras encoder without attention dropout, tests/test_memory.py).
-# So the multiplication by the smaller factor reads the product through `gates.opaque`,
-# which the optimizers cannot see through. Not under XLA, whose own passes decide there, nor
+# scale)` where the softmax's name sorts before the gradient's (NOTE [products ahead in plain
+# backprop] in `_src/analysis/execution.py`), and `softmax * scale`, reading no gradient,
+# runs as soon as the softmax exists: in the forward pass, or as a step's recomputation
+# starts. That tensor, as large as the attention scores, is then held until backprop reaches
+# it, one more such matrix per block than backprop needs (a Keras encoder without attention
+# dropout, tests/test_memory.py). So in the rewrite's gradients the multiplication by the
+# smaller factor reads the product through `gates.opaque`, which the optimizers cannot see
+# through, and the simulator counts the tensor for `tf.gradients` alone. Not under XLA, whose own passes decide there, nor
 # inside a TF1 while loop or cond, whose frames the pass would have to enter.
 def products_kept_in_order(
     made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor | None]

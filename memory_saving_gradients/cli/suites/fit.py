@@ -11,7 +11,8 @@ process's earlier steps grew and hands a request a free block of up to twice its
 whole, so a step run after a larger one (plain) can read more than it needs. The "shared"
 column reads the same peak in one process after plain and the methods before it, where
 every step is also timed: the medians of steps taken in turns, over plain's. The predicted
-ratio is the plan's (`model.checkpoint_plan`): `peak_bytes / plain_peak_bytes`.
+ratio is the plan's (`model.checkpoint_plan`): `peak_bytes / plain_peak_bytes`
+(`fallback_peak_bytes` over it where the plan does not pay).
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def run(page: Page, quick: bool, device: str) -> None:
         f"`train_on_batch`, float32, on {device}. *MiB*: the largest activation peak of "
         f"{steps} steps after the first, in a process of its own; *shared*: the same in one "
         "process after the methods before it; *predicted*: the plan's peak over plain "
-        "backprop's as simulated (which, where attention scales its logits after the "
-        "query-key product, leaves out the attention matrix per block that TensorFlow's own "
-        "optimizers make plain backprop hold: docs/internals/memory-model.md); *time*: the "
+        "backprop's as simulated (which counts the attention matrix per block that "
+        "TensorFlow's own optimizers make plain backprop hold where attention scales its "
+        "logits after the query-key product: docs/internals/memory-model.md); *time*: the "
         f"median of {repeats} steps taken in turns, over plain's."
     )
     for workload in workloads:
@@ -165,7 +166,10 @@ def peak_alone(workload: dict[str, Any], method: str, steps: int, device: str) -
     model, run = _train_step(Workload(**workload), method)
     peak = _worst_peak(run, steps, device)
     plan = getattr(model, "checkpoint_plan", None)
-    predicted = plan.peak_bytes / plan.plain_peak_bytes if plan is not None else None
+    predicted = None
+    if plan is not None:
+        peak = plan.peak_bytes if plan.pays else plan.fallback_peak_bytes
+        predicted = peak / plan.plain_peak_bytes
     return {"peak": peak, "predicted": predicted}
 
 

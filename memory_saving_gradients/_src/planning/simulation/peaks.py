@@ -21,9 +21,12 @@ def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
     return uses
 
 
-def plain_peak(view: ForwardView) -> int:
-    """Simulated peak bytes of backprop that keeps every activation its gradients read."""
-    run = Simulator(view, updates_copy=True)
+def plain_peak(view: ForwardView, products_in_order: bool = False) -> int:
+    """Simulated peak bytes of backprop that keeps every activation its gradients read, as
+    `tf.gradients` runs it, or, `products_in_order`, as the rewrite runs it where a plan does
+    not pay: TensorFlow's optimizers do not move its products into the forward pass
+    (`Execution.products_ahead`)."""
+    run = Simulator(view, updates_copy=True, products_ahead=not products_in_order)
     ops = list(range(len(view.ops)))
     run.made_outside()
     run.forward(run.forward_order(), (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))

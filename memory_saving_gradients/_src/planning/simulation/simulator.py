@@ -29,13 +29,29 @@ class Simulator:
     """
 
     def __init__(
-        self, view: ForwardView, updates_copy: bool = False, limit: float = math.inf
+        self,
+        view: ForwardView,
+        updates_copy: bool = False,
+        products_ahead: bool = False,
+        limit: float = math.inf,
     ) -> None:
         self.view = view
         self.execution = execution_of(view)
         #: Whether an update copies its variable (plain `tf.gradients`: see the package's
         #: docstring).
         self.updates_copy = updates_copy
+        #: Bytes of the product TensorFlow's optimizers move ahead of each op's gradient, by
+        #: the op's position, where they do (plain `tf.gradients`: `Execution.
+        #: products_ahead`), and the buffer of each made so far.
+        self.ahead_bytes: dict[int, int] = (
+            {
+                view.position[op]: kernels.tensor_bytes(t)
+                for op, t in self.execution.products_ahead.items()
+            }
+            if products_ahead
+            else {}
+        )
+        self.ahead: dict[int, Buffer] = {}
         self.ids = Numbering.of(view)
         #: The cost of each op, by position.
         self.cost = [view.costs[op] for op in view.ops]
@@ -174,6 +190,8 @@ class Simulator:
                     buffer.holders += uses.get(t, 0)
                 at_level[t] = buffer
             ledger.working(cost.working)
+            if op in self.ahead_bytes and op not in self.ahead:
+                self.ahead[op] = ledger.new(self.ahead_bytes[op])
             for t in inputs:
                 if t in owned:
                     readers[t] -= 1
@@ -269,6 +287,8 @@ class Simulator:
                 del running[op]
                 for buffer in gradient.spent:
                     ledger.release(buffer)
+                if op in self.ahead:
+                    ledger.release(self.ahead.pop(op))
                 self._apply_completed_gradients(op)
 
     def _backward_events(self, ops: Sequence[int]) -> list[executor.Event]:
