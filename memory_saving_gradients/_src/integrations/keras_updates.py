@@ -18,6 +18,7 @@ import contextlib
 import gc
 import logging
 import math
+import statistics
 import weakref
 from collections.abc import Callable
 
@@ -38,8 +39,9 @@ Applying = Callable[
 #: Elements of the probe variable (16 MiB): large beside the blocks earlier steps of a
 #: process leave free, which the allocator may hand a smaller request whole.
 PROBE_ELEMENTS = 2**22
-#: Updates measured, of which the least counts.
-PROBE_RUNS = 3
+#: Updates measured, of which the median counts: one run alone may read a temporary less (a
+#: suite's worker once read Adam's two as one) or a block more.
+PROBE_RUNS = 5
 
 _MEASURED: weakref.WeakKeyDictionary[keras.optimizers.Optimizer, float] = (
     weakref.WeakKeyDictionary()
@@ -90,4 +92,4 @@ def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Appl
         peaks.append(peak_memory(update, device))
     # The temporaries are whole buffers of the probe's size: counted in whole gradients,
     # rounded down, since a request handed a larger free block whole reads above them.
-    return float(max(0, math.floor(min(peaks) / gradient_bytes - 1)))
+    return float(max(0, math.floor(statistics.median(peaks) / gradient_bytes - 1)))

@@ -174,8 +174,9 @@ _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 # it, one more such matrix per block than backprop needs (a Keras encoder without attention
 # dropout, tests/test_memory.py). So in the rewrite's gradients the multiplication by the
 # smaller factor reads the product through `gates.opaque`, which the optimizers cannot see
-# through, and the simulator counts the tensor for `tf.gradients` alone. Not under XLA, whose own passes decide there, nor
-# inside a TF1 while loop or cond, whose frames the pass would have to enter.
+# through, and the simulator counts the tensor for `tf.gradients` alone. Not under XLA,
+# whose own passes decide there, nor inside a TF1 while loop or cond, whose frames the pass
+# would have to enter.
 def products_kept_in_order(
     made: Sequence[tf.Operation], arriving: Sequence[tf.Tensor | None]
 ) -> None:
