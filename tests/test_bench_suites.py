@@ -107,8 +107,10 @@ def test_the_fit_suite_measures_each_method_alone_and_after_the_others(pages):
     _, results = pages
     (rows,) = tables((results / "fit.md").read_text())
     assert [row["method"] for row in rows] == ["plain", "'speed'", "'memory'"]
+    plain = float(rows[0]["MiB"])
     for row in rows:
-        assert float(row["MiB"]) > 0
+        assert 0 < float(row["MiB"]) < 1.5 * plain
+        assert float(row["/ plain"]) == pytest.approx(float(row["MiB"]) / plain, abs=0.01)
         ratio(row["shared / plain"])
         ratio(row["time / plain"])
     assert float(rows[-1]["predicted"]) < 1.0

@@ -168,8 +168,8 @@ def peak_alone(workload: dict[str, Any], method: str, steps: int, device: str) -
     plan = getattr(model, "checkpoint_plan", None)
     predicted = None
     if plan is not None:
-        peak = plan.peak_bytes if plan.pays else plan.fallback_peak_bytes
-        predicted = peak / plan.plain_peak_bytes
+        planned = plan.peak_bytes if plan.pays else plan.fallback_peak_bytes
+        predicted = planned / plan.plain_peak_bytes
     return {"peak": peak, "predicted": predicted}
 
 
