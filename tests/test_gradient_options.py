@@ -214,6 +214,35 @@ def scaled_attention_loss(weights, x):
     return tf.reduce_sum(h * h)
 
 
+@pytest.mark.parametrize("scope, ahead", [("block", 0), ("z", 3)])
+def test_plain_backprops_products_moved_ahead_are_predicted_in_a_session(scope, ahead):
+    """In a Session graph (and under TF1 behaviour), `tf.gradients`' partition graphs hold a
+    softmax multiplied by its scale per block where the forward ops' names sort after the
+    gradients' (`z/...`), the mirror of a function's graph (NOTE [products ahead in plain
+    backprop]), and plain's predicted peak counts exactly those, over the peak of the plain
+    gradients `gradients` computes."""
+    rng = np.random.RandomState(0)
+    with tf.Graph().as_default():
+        weights = [tf1.Variable((rng.randn(16, 48) * 0.2).astype(np.float32)) for _ in range(3)]
+        x = tf1.placeholder(tf.float32, [4, 64, 16])
+        with tf.name_scope(scope):
+            loss = scaled_attention_loss(weights, x)
+        plan = msg.plan(loss, weights, checkpoints="memory")
+        reference = tf1.gradients(loss, weights)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            metadata = tf1.RunMetadata()
+            session.run(
+                reference,
+                {x: rng.randn(4, 64, 16).astype(np.float32)},
+                options=tf1.RunOptions(output_partition_graphs=True),
+                run_metadata=metadata,
+            )
+    assert len(_softmaxes_multiplied_ahead(metadata)) == ahead
+    softmax = 4 * 64 * 64 * 4
+    assert plan.plain_peak_bytes - plan.fallback_peak_bytes == ahead * softmax
+
+
 @pytest.mark.parametrize("option", ["gate_gradients", "aggregation_tree", "not_colocated"])
 @pytest.mark.parametrize("strategy", ["memory", "speed"])
 def test_scaled_attention_keeps_its_gradient_products_in_order_in_a_session(strategy, option):
@@ -249,16 +278,22 @@ def test_scaled_attention_keeps_its_gradient_products_in_order_in_a_session(stra
                 run_metadata=metadata,
             )
     assert_same_gradients(want, have)
+    ahead = _softmaxes_multiplied_ahead(metadata)
+    assert not ahead, ahead
+
+
+def _softmaxes_multiplied_ahead(metadata) -> list[str]:
+    """The Mul ops of a Session run's partition graphs (`metadata`) multiplying a softmax by
+    a constant: products TensorFlow's optimizers moved into the forward pass."""
     nodes = [n for graph in metadata.partition_graphs for n in graph.node]
     types = {n.name: n.op for n in nodes}
-    ahead = [
+    return [
         n.name
         for n in nodes
         if n.op == "Mul"
         and "Const" in (read := [types.get(i.lstrip("^").split(":")[0]) for i in n.input])
         and {"Softmax", "_MklSoftmax"} & set(read)
     ]
-    assert not ahead, ahead
 
 
 def _reads_the_scale(op: tf.Operation) -> bool:

@@ -343,8 +343,8 @@ def scaled_attention_step(checkpoints, scope="block"):
     """Four blocks of attention scaling its logits after the product of queries and keys, as
     `keras.ops.dot_product_attention` does (batch 8, 256 tokens, width 32), under the name
     `scope`, differentiated with `checkpoints` (None: `tf.gradients`) in a `tf.function`.
-    Returns the step, the predicted peak of what runs (`Plan.fallback_peak_bytes` where the
-    plan does not pay; `Plan.plain_peak_bytes` for `tf.gradients`), and the Mul ops that
+    Returns the step, the predicted peak of what runs (`Plan.step_peak_bytes`;
+    `Plan.plain_peak_bytes` for `tf.gradients`), and the Mul ops that
     TensorFlow's optimizers left multiplying a softmax by a constant: a product computed in
     the forward pass (NOTE [products reassociated ahead] in `ordering.py`)."""
     weights = [tf.Variable(tf.random.stateless_normal([32, 96], [i, 0]) * 0.1) for i in range(4)]
@@ -364,7 +364,7 @@ def scaled_attention_step(checkpoints, scope="block"):
         if checkpoints is None:
             seen.update(peak=plan.plain_peak_bytes)
             return tf.gradients(loss, weights)
-        seen.update(peak=plan.peak_bytes if plan.pays else plan.fallback_peak_bytes)
+        seen.update(peak=plan.step_peak_bytes)
         return msg.gradients(loss, weights, checkpoints=checkpoints)
 
     ahead = softmaxes_multiplied_ahead(step)  # traces the step, which plans it
@@ -740,21 +740,27 @@ def keras_attention_plain_peaks(name: str) -> tuple[int, int, int, int]:
 _KERAS_ATTENTION_PLAIN_PEAKS = """
 import json
 import sys
+import keras
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(2)
+keras.mixed_precision.set_global_policy(sys.argv[1])
 from tests.test_memory import keras_attention_plain_peaks
-print(json.dumps([keras_attention_plain_peaks(name) for name in sys.argv[1:]]))
+print(json.dumps([keras_attention_plain_peaks(name) for name in sys.argv[2:]]))
 """
 
 
 @pytest.mark.tf2_only
-def test_a_keras_models_name_decides_what_its_plain_step_holds_and_the_prediction_follows():
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_a_keras_models_name_decides_what_its_plain_step_holds_and_the_prediction_follows(
+    policy,
+):
     """Keras's plain step computes each block's `softmax * scale` in its forward pass where
     the model's name sorts before its gradients' (`gradient_tape/...`: NOTE [products ahead
-    in plain backprop]), and plain's predicted peak counts them: "alpha" measured 14.5-16.0
-    MiB, "zeta" 12.5-13.5; predicted 15.0 and 11.0 (11.0 for both before). The rewrite's own
-    plain gradients keep the products in order, whatever the name."""
-    out = run_python("-c", _KERAS_ATTENTION_PLAIN_PEAKS, "alpha", "zeta")
+    in plain backprop]), and plain's predicted peak counts them. In float32, "alpha" measured
+    14.5-16.0 MiB, "zeta" 12.5-13.5, predicted 15.0 and 11.0 (11.0 for both before); under
+    mixed_float16 (softmax in float32), 14.25 and 11.5, predicted 15.2 and 11.2. The
+    rewrite's own plain gradients keep the products in order, whatever the name."""
+    out = run_python("-c", _KERAS_ATTENTION_PLAIN_PEAKS, policy, "alpha", "zeta")
     alpha, zeta = json.loads(out.strip().splitlines()[-1])
     assert (alpha[3], zeta[3]) == (2, 0)
     softmax = 8 * 4 * 128 * 128 * 4

@@ -61,10 +61,10 @@ class Execution:
         """For each op whose gradient ends by multiplying what it made of the arriving
         gradient by a forward tensor, where the op before it scales by a factor with fewer
         elements and no gradient of its own: that forward tensor, where plain backprop's
-        `(g * tensor) * factor` becomes `g * (tensor * factor)` and backprop reads the tensor
-        otherwise too (NOTE [products ahead in plain backprop]). None under XLA, which
-        decides the order itself, and inside TF1 while loops and conds, where the rewrite
-        leaves the order to the optimizers too."""
+        `(g * tensor) * factor` becomes `g * (tensor * factor)`, as the names have it, and
+        backprop reads the tensor otherwise too (NOTE [products ahead in plain backprop]).
+        None under XLA, which decides the order itself, and inside TF1 while loops and
+        conds, where the rewrite leaves the order to the optimizers too."""
         view = self.view
         if not view.ops or _tf.compiled_by_xla(view.ops[0].graph):
             return {}
@@ -77,7 +77,7 @@ class Execution:
                 if view.consumers(scaled) != [op] or not _scaled_by_a_factor(scaled, view):
                     continue
                 tensor = _multiplied_last_and_read_otherwise(op, index, use, view)
-                if tensor is not None and _named_before_gradients(tensor):
+                if tensor is not None and _multiplied_ahead_by_name(tensor):
                     found[op] = tensor
                     break
         return found
@@ -249,45 +249,39 @@ def _allocated_in_step(tensor: tf.Tensor) -> bool:
 
 
 # NOTE [products ahead in plain backprop]: TensorFlow's graph optimizers reassociate a chain
-# of products so that a factor with fewer elements is multiplied first, and among operands of
-# one size they keep the order of their names. Plain backprop's `(g * tensor) * factor` (a
+# of products so that a factor with fewer elements is multiplied first; which of two operands
+# of one size goes with it follows their names. Plain backprop's `(g * tensor) * factor` (a
 # softmax's gradient met by that of the scaling before it, as `keras.ops.
-# dot_product_attention` scales its logits; a GELU's `(0.5 * x) * erfc(...)`) thus becomes
-# `g * (tensor * factor)` where the forward tensor's name sorts before the gradient's, which
-# are named under `gradients/` (`tf.gradients`) or `gradient_tape/` (a tape: Keras): a
-# tensor of a functional Keras model (`functional_1/...`) or of a function's own ops
-# (`Softmax`), not one of layers called under a later name (`multi_head_attention/...`).
-# `tensor * factor`, reading no gradient, runs as soon as the tensor exists and is held until
-# the op's gradient reads it: one more tensor of its size where backprop reads the tensor
-# too (a softmax's gradient reads it twice, the attention product's once), none where the
-# product replaces it (a GELU's erfc). The rewrite's gradients keep the order (NOTE
-# [products reassociated ahead] in `_src/rewriting/ordering.py`), so this is plain
-# backprop's alone.
-def _named_before_gradients(tensor: tf.Tensor) -> bool:
-    """Whether `tensor`'s name sorts before those of backprop's ops (NOTE [products ahead in
-    plain backprop])."""
+# dot_product_attention` scales its logits; a GELU's `(0.5 * x) * erfc(...)`) becomes
+# `g * (tensor * factor)` in a function's graph where the forward tensor's name sorts before
+# the gradients' (`gradients/...` for `tf.gradients`, `gradient_tape/...` for a tape, as
+# Keras's step has): a functional Keras model's tensors (`functional_1/...`) or a function's
+# own ops (`Softmax`), not layers called under a later name (`multi_head_attention/...`). In
+# a Session's graph the order is the mirror: where the forward name sorts after the
+# gradients' (tests/test_gradient_options.py, tests/test_memory.py). `tensor * factor`,
+# reading no gradient, runs as soon as the tensor exists and is held until the op's gradient
+# reads it: one more tensor of its size where backprop reads the tensor too (a softmax's
+# gradient reads it twice, the attention product's once), none where the product replaces it
+# (a GELU's erfc). The rewrite's gradients keep the order (NOTE [products reassociated
+# ahead] in `_src/rewriting/ordering.py`), so this is plain backprop's alone.
+def _multiplied_ahead_by_name(tensor: tf.Tensor) -> bool:
+    """Whether `tensor`'s name puts the product of it and a factor ahead of backprop (NOTE
+    [products ahead in plain backprop])."""
     name = tensor.op.name if tensor.value_index == 0 else tensor.name
-    return name < "gradient"
-
-
-#: The operands of each product op that may be a factor its gradient multiplies by.
-_FACTOR_OPERANDS = {"Mul": (0, 1), "RealDiv": (1,)}
+    before = name < "gradients"
+    return before if tensor.graph.building_function else not before
 
 
 def _scaled_by_a_factor(tensor: tf.Tensor, view: ForwardView) -> bool:
     """Whether the view's op making `tensor` multiplies or divides by a factor known to have
-    fewer elements than `tensor` (one, where its shape is open) and no gradient."""
+    fewer elements than `tensor` and no gradient."""
     op = tensor.op
     if op not in view.position:
         return False
-    for index in _FACTOR_OPERANDS.get(op.type, ()):
-        factor = op.inputs[index]
-        if factor.op in view.position or view.is_x(factor):
-            continue
-        if not factor.shape.is_fully_defined():
-            continue
-        count = factor.shape.num_elements()
-        if count == 1 or (tensor.shape.is_fully_defined() and count < tensor.shape.num_elements()):
+    for index in kernels.REASSOCIATED_PRODUCTS.get(op.type, ()):
+        factor = op.inputs[1 - index]
+        gets_gradient = factor.op in view.position or view.is_x(factor)
+        if not gets_gradient and kernels.fewer_elements(factor, tensor):
             return True
     return False
 

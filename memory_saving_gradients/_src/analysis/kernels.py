@@ -74,6 +74,21 @@ def tensor_bytes(tensor: tf.Tensor) -> int:
     return num_elements(tensor) * itemsize
 
 
+#: The operands of each product op that TensorFlow's optimizers reassociate with its other
+#: one, a factor (NOTE [products reassociated ahead] in `_src/rewriting/ordering.py`).
+REASSOCIATED_PRODUCTS = {"Mul": (0, 1), "RealDiv": (0,)}
+
+
+def fewer_elements(factor: tf.Tensor, product: tf.Tensor) -> bool:
+    """Whether `factor` is known to have fewer elements than `product` (a broadcast): one,
+    where the product's shape is open."""
+    if not factor.shape.is_fully_defined():
+        return False
+    count = factor.shape.num_elements()
+    known = product.shape.is_fully_defined()
+    return count == 1 or (known and count < product.shape.num_elements())
+
+
 #: Matrix products, batched or not.
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 #: Contractions: each output element sums products over an inner dimension or a window.

@@ -15,10 +15,10 @@ and `CSVLogger` read them,
   `peak_memory_mib`;
 - `predicted_peak_mib`, `predicted_plain_peak_mib`, `predicted_memory_saved_fraction`: what
   the plan of the traced training step predicts with its checkpoints and for plain backprop
-  (`Plan.peak_bytes`, `Plan.plain_peak_bytes`; `Plan.fallback_peak_bytes` where the plan
-  does not pay and gradients are plain), and the saving between the two. A prediction is
-  never set against a measurement: the cost model's plain peak can be far from the measured
-  one.
+  (`Plan.step_peak_bytes`: its `peak_bytes`, or `fallback_peak_bytes` where it does not pay
+  and gradients are plain; `Plan.plain_peak_bytes`), and the saving between the two. A
+  prediction is never set against a measurement: the cost model's plain peak can be far from
+  the measured one.
 
 The predictions come from the model's `checkpoint_plan`, which `msg.keras.enable` keeps; a
 model that is not enabled logs its peak only.
@@ -127,7 +127,7 @@ class MemoryLog(keras.callbacks.Callback):
         if plan is None:
             return
         plain = plan.plain_peak_bytes
-        predicted = plan.peak_bytes if plan.pays else plan.fallback_peak_bytes
+        predicted = plan.step_peak_bytes
         logs["predicted_peak_mib"] = predicted / MIB
         logs["predicted_plain_peak_mib"] = plain / MIB
         logs["predicted_memory_saved_fraction"] = 1 - predicted / plain if plain else 0.0

@@ -39,6 +39,8 @@ class Plan:
         plan does not pay (`pays`): below `plain_peak_bytes` where TensorFlow's optimizers
         move products of `tf.gradients` into the forward pass, which `gradients` keeps in
         their order.
+      step_peak_bytes: the predicted peak of the step `gradients` builds with this plan:
+        `peak_bytes` where it pays, else `fallback_peak_bytes`.
       recompute_flops_fraction: the forward compute backprop repeats, over the forward
         pass's (0: nothing recomputed; about 1 for one level over the whole pass): FLOPs by
         the static model, or kernel time where the costs are measured.
@@ -118,6 +120,10 @@ class Plan:
         if not execution_of(self._view).products_ahead:
             return self.plain_peak_bytes
         return simulation.plain_peak(self._view, products_in_order=True)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return self.peak_bytes if self.pays else self.fallback_peak_bytes
 
     def predicted(self) -> Plan:
         """This plan with its predictions made now, of the graph as it is: gradients built

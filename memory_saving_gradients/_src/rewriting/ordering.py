@@ -167,8 +167,8 @@ _GIVEN_AHEAD = kernels.SHAPE_OF | {"Const"}
 # way). Where a gradient multiplies a product of a gradient and a forward tensor by a smaller
 # factor, `(g * softmax) * scale` (a softmax's gradient met by that of the scaling before it,
 # as `keras.ops.dot_product_attention` scales its logits), it becomes `g * (softmax *
-# scale)` where the softmax's name sorts before the gradient's (NOTE [products ahead in plain
-# backprop] in `_src/analysis/execution.py`), and `softmax * scale`, reading no gradient,
+# scale)` where the names have it so (NOTE [products ahead in plain backprop] in
+# `_src/analysis/execution.py`), and `softmax * scale`, reading no gradient,
 # runs as soon as the softmax exists: in the forward pass, or as a step's recomputation
 # starts. That tensor, as large as the attention scores, is then held until backprop reaches
 # it, one more such matrix per block than backprop needs (a Keras encoder without attention
@@ -190,29 +190,16 @@ def products_kept_in_order(
     for op in made:
         if _tf.in_v1_control_flow(op):  # a pass built outside its frame could not read it
             continue
-        for index in _PRODUCT_OPERANDS.get(op.type, ()):
+        for index in kernels.REASSOCIATED_PRODUCTS.get(op.type, ()):
             product, factor = op.inputs[index], op.inputs[1 - index]
             if (
                 product.op in ours
                 and product.op.type == "Mul"
-                and _fewer_elements(factor, product)
+                and kernels.fewer_elements(factor, product)
                 and any(t.op not in ours and t.ref() not in gradients for t in product.op.inputs)
             ):
                 _tf.replace_input(op, index, gates.opaque(product))
                 break
-
-
-#: The operands of each product op that the optimizers reassociate with its other one.
-_PRODUCT_OPERANDS = {"Mul": (0, 1), "RealDiv": (0,)}
-
-
-def _fewer_elements(factor: tf.Tensor, product: tf.Tensor) -> bool:
-    """Whether `factor` is known to have fewer elements than `product` (a broadcast)."""
-    if not factor.shape.is_fully_defined():
-        return False
-    count = factor.shape.num_elements()
-    known = product.shape.is_fully_defined()
-    return count == 1 or (known and count < product.shape.num_elements())
 
 
 # NOTE [updates after reads]: an optimizer updating a variable in the step runs as soon as its

@@ -11,8 +11,7 @@ process's earlier steps grew and hands a request a free block of up to twice its
 whole, so a step run after a larger one (plain) can read more than it needs. The "shared"
 column reads the same peak in one process after plain and the methods before it, where
 every step is also timed: the medians of steps taken in turns, over plain's. The predicted
-ratio is the plan's (`model.checkpoint_plan`): `peak_bytes / plain_peak_bytes`
-(`fallback_peak_bytes` over it where the plan does not pay).
+ratio is the plan's (`model.checkpoint_plan`): `step_peak_bytes / plain_peak_bytes`.
 """
 
 from __future__ import annotations
@@ -166,10 +165,7 @@ def peak_alone(workload: dict[str, Any], method: str, steps: int, device: str) -
     model, run = _train_step(Workload(**workload), method)
     peak = _worst_peak(run, steps, device)
     plan = getattr(model, "checkpoint_plan", None)
-    predicted = None
-    if plan is not None:
-        planned = plan.peak_bytes if plan.pays else plan.fallback_peak_bytes
-        predicted = planned / plan.plain_peak_bytes
+    predicted = plan.step_peak_bytes / plan.plain_peak_bytes if plan is not None else None
     return {"peak": peak, "predicted": predicted}
 
 

@@ -6,6 +6,7 @@ docstring).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 
 from memory_saving_gradients._src.analysis.view import ForwardView
@@ -21,11 +22,23 @@ def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
     return uses
 
 
+#: `plain_peak` of each view, by `products_in_order`: a search plans one view many times, and
+#: what the simulation reads of a view (its costs, its numbering) is fixed once read.
+_PLAIN_PEAKS: weakref.WeakKeyDictionary[ForwardView, dict[bool, int]] = weakref.WeakKeyDictionary()
+
+
 def plain_peak(view: ForwardView, products_in_order: bool = False) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read, as
     `tf.gradients` runs it, or, `products_in_order`, as the rewrite runs it where a plan does
     not pay: TensorFlow's optimizers do not move its products into the forward pass
     (`Execution.products_ahead`)."""
+    known = _PLAIN_PEAKS.setdefault(view, {})
+    if products_in_order not in known:
+        known[products_in_order] = _plain(view, products_in_order)
+    return known[products_in_order]
+
+
+def _plain(view: ForwardView, products_in_order: bool) -> int:
     run = Simulator(view, updates_copy=True, products_ahead=not products_in_order)
     ops = list(range(len(view.ops)))
     run.made_outside()

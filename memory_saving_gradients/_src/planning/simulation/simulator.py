@@ -190,7 +190,7 @@ class Simulator:
                     buffer.holders += uses.get(t, 0)
                 at_level[t] = buffer
             ledger.working(cost.working)
-            if op in self.ahead_bytes and op not in self.ahead:
+            if op in self.ahead_bytes:
                 self.ahead[op] = ledger.new(self.ahead_bytes[op])
             for t in inputs:
                 if t in owned:
