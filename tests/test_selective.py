@@ -220,3 +220,150 @@ def test_zoo_selective_plans_give_tf_gradients(name):
     want = result["reference"] if model.one_function else reference(name)
     assert (result["recomputed"] > 0) == result["pays"], result
     assert_close_to_scale(want, result["got"])
+
+
+# Attention: saving a softmax spares the product of query and key before it.
+HEADS, LENGTH, HEAD_DIM, ATTENTION_BATCH, ATTENTION_BLOCKS = 4, 256, 16, 4, 3
+
+
+def attention_weights() -> list[tf.Variable]:
+    rng = np.random.default_rng(2)
+    width = HEADS * HEAD_DIM
+    return [
+        tf.Variable(rng.normal(0, width**-0.5, (width, width)).astype("f4"), name=f"w{i}")
+        for i in range(4 * ATTENTION_BLOCKS)
+    ]
+
+
+def attention_chain(x: tf.Tensor, weights: list) -> tf.Tensor:
+    """Residual self-attention blocks: the scores of each head are a product of two
+    activations, (batch, heads, length, length), 4 MiB a block. The softmax is squared
+    before it weighs the values, as attention dropout masks it: plain backprop holds two
+    such tensors a block, both read by gradients."""
+
+    def heads(t):
+        t = tf.reshape(t, (ATTENTION_BATCH, LENGTH, HEADS, HEAD_DIM))
+        return tf.transpose(t, (0, 2, 1, 3))
+
+    h = x
+    for b in range(ATTENTION_BLOCKS):
+        wq, wk, wv, wo = weights[4 * b : 4 * b + 4]
+        flat = tf.reshape(h, (-1, HEADS * HEAD_DIM))
+        q = heads(tf.matmul(flat, wq)) * HEAD_DIM**-0.5
+        k, v = heads(tf.matmul(flat, wk)), heads(tf.matmul(flat, wv))
+        probabilities = tf.nn.softmax(tf.matmul(q, k, transpose_b=True))
+        mixed = tf.transpose(tf.matmul(tf.square(probabilities), v), (0, 2, 1, 3))
+        mixed = tf.reshape(mixed, (-1, HEADS * HEAD_DIM))
+        h = h + tf.reshape(tf.tanh(tf.matmul(mixed, wo)), h.shape)
+    return tf.reduce_sum(h)
+
+
+def attention_batch() -> np.ndarray:
+    shape = (ATTENTION_BATCH, LENGTH, HEADS * HEAD_DIM)
+    return np.random.default_rng(3).normal(size=shape).astype("f4")
+
+
+def keep_softmaxes(view):
+    """'speed''s saved tensors and every softmax, inside the least-peak cuts."""
+    from memory_saving_gradients._src.planning import policies, search
+
+    softmaxes = [op.outputs[0] for op in view.ops if op.type == "Softmax"]
+    assert len(softmaxes) == ATTENTION_BLOCKS
+    saved = [*policies._as_dense_as_contractions(view), *softmaxes]
+    return search.least_peak_saving(view, saved, "softmaxes kept")
+
+
+def test_budgets_may_keep_the_softmaxes_that_spare_the_products_of_query_and_key():
+    """What budgets may save besides 'speed''s: each softmax (saving it spares its product
+    of query and key), not that product, and nothing of the projections' activations."""
+    from memory_saving_gradients._src.planning import policies
+
+    found = {}
+
+    def sets_of(view):
+        found["speed"] = policies._as_dense_as_contractions(view)
+        found["sparing"] = policies._sparing_contractions(view, found["speed"])
+        found["sets"] = policies._saveable_sets(view)
+        return found["speed"]
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, attention_batch().shape)
+        weights = attention_weights()
+        msg.plan(attention_chain(x, weights), weights, checkpoints=sets_of)
+    speed_set, sparing, sets = found["speed"], found["sparing"], found["sets"]
+    assert [t.op.type for t in sparing] == ["Softmax"] * ATTENTION_BLOCKS
+    assert [*speed_set, *sparing] in sets
+
+
+@pytest.mark.tf2_only
+def test_a_saved_softmax_spares_its_product_and_gradients_equal_tf_gradients():
+    """Neither the softmaxes nor the products of query and key before them run again: the
+    copies are made for their gradient functions only, and only each other read them (the
+    squares after the softmaxes are recomputed from the softmaxes kept)."""
+    weights = attention_weights()
+
+    @tf.function
+    def step(x):
+        loss = attention_chain(x, weights)
+        got = msg.gradients(loss, weights, checkpoints=keep_softmaxes)
+        copies = recomputed_copies(tf1.get_default_graph())
+        spared = [
+            c
+            for c in copies
+            if original_of(c).type == "Softmax"
+            or (original_of(c).type == "BatchMatMulV2" and original_of(c).get_attr("adj_y"))
+        ]
+        assert len(spared) == 2 * (ATTENTION_BLOCKS - 1), [c.name for c in copies]
+        assert all(set(c.outputs[0].consumers()) <= set(spared) for c in spared)
+        assert any(original_of(c).type == "Square" for c in copies)
+        return tf.gradients(loss, weights), got
+
+    want, got = step(tf.constant(attention_batch()))
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+
+
+def attention_peak(checkpoints) -> dict[str, float]:
+    """Measured and predicted peak of a step keeping `checkpoints`, in a Session on one
+    inter-op thread, and the forward compute it repeats."""
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, attention_batch().shape)
+        weights = attention_weights()
+        loss = attention_chain(x, weights)
+        plan = msg.plan(loss, weights, checkpoints=checkpoints)
+        grads = msg.gradients(loss, weights, checkpoints=plan)
+        train = tf.group(*(w.assign_sub(0.01 * g) for w, g in zip(weights, grads, strict=True)))
+        init = tf1.global_variables_initializer()
+    config = tf1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
+    with tf1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        feed = {x: attention_batch()}
+        session.run(train, feed)
+        peak = min(peak_memory(lambda: session.run(train, feed), warmup=0) for _ in range(3))
+    return {
+        "peak": peak,
+        "predicted": plan.peak_bytes,
+        "recomputed": plan.recompute_flops_fraction,
+    }
+
+
+def attention_peaks() -> dict[str, dict[str, float]]:
+    """`attention_peak` of 'speed' and of the softmaxes kept beside what it saves."""
+    return {"speed": attention_peak("speed"), "softmaxes": attention_peak(keep_softmaxes)}
+
+
+_ATTENTION_PEAKS = """
+import json
+import tests.conftest  # TF1 behaviour where the suite's TF1 slice runs
+from tests.test_selective import attention_peaks
+print(json.dumps(attention_peaks()))
+"""
+
+
+def test_softmaxes_kept_cost_their_bytes_and_spare_the_products_as_predicted():
+    """In a Session, in a fresh interpreter: each softmax kept adds its 4 MiB to the peak,
+    as predicted, and the products of query and key are no longer recomputed."""
+    measured = json.loads(run_python("-c", _ATTENTION_PEAKS).strip().splitlines()[-1])
+    speed, kept = measured["speed"], measured["softmaxes"]
+    assert abs(kept["peak"] - kept["predicted"]) <= 0.15 * kept["predicted"], measured
+    assert kept["peak"] > speed["peak"] + 4 * MIB, measured
+    assert kept["recomputed"] < 0.5 * speed["recomputed"], measured

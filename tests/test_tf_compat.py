@@ -94,7 +94,7 @@ def test_differentiated_as_passes_a_value_on_and_differentiates_it_as_another_op
         w = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4))
         product = tf.matmul(x, w)
         stand_in = tf.ones([2, 4]) * 7.0  # not product: shows which value is passed on
-        passed = _tf.differentiated_as(stand_in, product.op)
+        passed = _tf.differentiated_as(stand_in, [product.op], product.op.inputs)
         loss = tf.reduce_sum(tf.sin(passed))
         through = tf1.gradients(loss, [x, w])
         assert passed.shape.as_list() == [2, 4]
@@ -106,6 +106,31 @@ def test_differentiated_as_passes_a_value_on_and_differentiates_it_as_another_op
     np.testing.assert_array_equal(got_value, np.full((2, 4), 7.0, np.float32))
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+def test_differentiated_as_a_chain_reads_the_value_where_the_last_op_reads_its_output():
+    """Passed on as a softmax of a transposed product, the saved probabilities' gradient goes
+    through the softmax's gradient (reading the value passed on), the transpose's and the
+    product's into the product's inputs: neither the softmax nor what it reads runs."""
+    with tf.Graph().as_default():
+        q = tf1.placeholder(tf.float32, [2, 3, 4])
+        k = tf.constant(np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4))
+        scores = tf.matmul(q, k, transpose_b=True)
+        turned = tf.transpose(scores, [0, 2, 1])
+        probabilities = tf.nn.softmax(turned)
+        saved = tf.identity(probabilities)  # what the forward pass kept
+        chain = [probabilities.op, turned.op, scores.op]
+        passed = _tf.differentiated_as(saved, chain, [q, k, turned.op.inputs[1]], True)
+        weights = tf.constant(np.linspace(0, 2, 18, dtype=np.float32).reshape(2, 3, 3))
+        through = tf1.gradients(tf.reduce_sum(passed * weights), [q, k])
+        assert [c.type for c in probabilities.consumers()] == ["Identity"]
+        assert [c.type for c in turned.consumers()] == ["Softmax"]
+        assert [c.type for c in scores.consumers()] == ["Transpose"]
+        reference = tf1.gradients(tf.reduce_sum(probabilities * weights), [q, k])
+        value = np.linspace(-2, 2, 24, dtype=np.float32).reshape(2, 3, 4)
+        got, want = run([through, reference], {q: value})
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
 def test_copy_handle_data_lets_a_pass_through_of_a_handle_read_the_variable():

@@ -146,26 +146,61 @@ def _give_own_function_graphs(copy: tf.Operation) -> None:
         setattr(copy, cache, graph)
 
 
-def differentiated_as(value: tf.Tensor, op: tf.Operation) -> tf.Tensor:
+def differentiated_as(
+    value: tf.Tensor,
+    ops: Sequence[tf.Operation],
+    frontier: Sequence[tf.Tensor],
+    reads_output: bool = False,
+) -> tf.Tensor:
     """`value` passed on unchanged (an IdentityN, which shares its buffer), differentiated as
-    the one output of `op`: the gradient arriving at it goes through `op`'s gradient function
-    into `op`'s inputs, which the pass-through also reads (unchanged) for that, so `op`
-    itself need never run. Built in the caller's scopes (the caller places it)."""
-    passed = tf.raw_ops.IdentityN(input=[value, *op.inputs])
+    the one output of `ops[0]`, made by `ops` from `frontier`: the gradient arriving at it
+    goes through the gradient functions of `ops` (each op before those making its inputs,
+    `ops[0]`'s reading `value` where it `reads_output`) into `frontier`, which the
+    pass-through also reads (unchanged) for that, so none of `ops` need ever run. The
+    gradient functions of the others must read none of their outputs, and none of the
+    tensors `ops` pass among themselves. Built in the caller's scopes (the caller places it).
+    """
+    passed = tf.raw_ops.IdentityN(input=[value, *frontier])
     through = passed[0].op
-    function = tf_ops.get_gradient_function(op)
 
     def gradient(unused_op: tf.Operation, gradient: tf.Tensor, *unused: tf.Tensor) -> list:
-        if function is None:
-            return [None] * len(through.inputs)
-        of_inputs = function(op, gradient)
-        of_inputs = list(of_inputs) if isinstance(of_inputs, (list, tuple)) else [of_inputs]
-        return [None, *of_inputs]
+        arriving: dict[object, list] = {ops[0].outputs[0].ref(): [gradient]}
+        for op in ops:
+            function = tf_ops.get_gradient_function(op)
+            parts = arriving.pop(op.outputs[0].ref(), [])
+            if function is None or not parts:
+                continue
+            reading = _ReadingOutputs(op, [value]) if reads_output and op is ops[0] else op
+            of_inputs = function(reading, _summed(parts))
+            of_inputs = of_inputs if isinstance(of_inputs, (list, tuple)) else [of_inputs]
+            for tensor, part in zip(op.inputs, of_inputs, strict=False):
+                if part is not None:
+                    arriving.setdefault(tensor.ref(), []).append(part)
+        return [None, *(_summed(arriving.pop(t.ref(), [])) for t in frontier)]
 
     through._gradient_function = gradient
     passed[0].set_shape(value.shape)
     handle_data_util.copy_handle_data(value, passed[0])
     return passed[0]
+
+
+class _ReadingOutputs:
+    """`op` as its gradient function sees it, with `outputs` in place of its own: its
+    gradient reads those instead, and `op` itself need not run."""
+
+    def __init__(self, op: tf.Operation, outputs: list[tf.Tensor]) -> None:
+        self._op = op
+        self.outputs = outputs
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._op, name)
+
+
+def _summed(parts: list) -> tf.Tensor | None:
+    """The sum of the gradient parts reaching one tensor; None where none does."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return tf.math.add_n([tf.convert_to_tensor(part) for part in parts])
 
 
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:

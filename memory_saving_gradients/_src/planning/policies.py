@@ -33,7 +33,12 @@ from memory_saving_gradients._src.analysis import kernels
 from memory_saving_gradients._src.analysis.view import ForwardView, why_not_recomputable
 from memory_saving_gradients._src.planning import search, simulation, tunables
 from memory_saving_gradients._src.planning.plans import Plan
-from memory_saving_gradients._src.planning.schedule import recomputed_repeatedly, saveable
+from memory_saving_gradients._src.planning.schedule import (
+    Segment,
+    recomputed_repeatedly,
+    saveable,
+    spared,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +138,15 @@ def speed(view: ForwardView, label: str) -> Plan:
 
 def _saveable(view: ForwardView) -> list[tf.Tensor]:
     """The tensors plans may save inside segments, densest first: compute to remake them
-    (measured seconds, or FLOPs) per byte kept. Only tensors recomputed ops read count."""
+    (measured seconds, or FLOPs) per byte kept. Only tensors recomputed ops read count, and
+    not those whose gradient reads them (a ReLU's, a softmax's), whose own compute is little:
+    they are saved where that spares a product (`_sparing_contractions`)."""
     candidates = [
         op.outputs[0]
         for op in view.ops
         if op.outputs
         and saveable(view, op.outputs[0])
+        and not view.costs[op].saved_outputs
         and view.bytes(op.outputs[0])
         and any(reader in view.recomputable for reader in view.consumers(op.outputs[0]))
     ]
@@ -165,20 +173,45 @@ def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
     earliest tensors up to ever larger shares of its bytes (`tunables.SAVED_PREFIXES`: a plan
     within a budget recomputes the forward pass up to some point and keeps the rest as plain
     backprop does, so saving there is what spares the recomputation, while saving beyond that
-    point would only add to the peak); and the densest saveable tensors up to ever larger
+    point would only add to the peak); the densest saveable tensors up to ever larger
     shares of their bytes (`tunables.SAVED_SHARES`; with measured costs, the normalisations and
-    activations that take a CPU longer per byte than the convolutions beside them)."""
+    activations that take a CPU longer per byte than the convolutions beside them); and what
+    'speed' saves with the earliest of the tensors whose saving spares a product it
+    recomputes, up to the same shares of their bytes and all of them (Megatron-LM's
+    selective recomputation with the softmax of the first blocks kept)."""
     candidates = _saveable(view)
     speed_set = _as_dense_as_contractions(view, candidates)
     in_forward_order = sorted(speed_set, key=lambda t: view.position[t.op])
     sets = [speed_set]
     sets += [_leading(view, in_forward_order, share) for share in tunables.SAVED_PREFIXES]
     sets += [_leading(view, candidates, share) for share in tunables.SAVED_SHARES]
+    sparing = _sparing_contractions(view, speed_set)
+    sets += [
+        [*speed_set, *_leading(view, sparing, share)] for share in (*tunables.SAVED_PREFIXES, 1.0)
+    ]
     distinct: dict[frozenset, list[tf.Tensor]] = {}
     for tensors in sets:
         if tensors:
             distinct.setdefault(frozenset(t.ref() for t in tensors), tensors)
     return list(distinct.values())
+
+
+def _sparing_contractions(view: ForwardView, speed_set: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Tensors whose saving beside `speed_set` spares a product 'speed' recomputes, in
+    forward order: the softmax after attention's query-key product (saving it spares the
+    product, the transpose and the softmax: `schedule.spared`), not the product itself where
+    a later one of them spares it too."""
+    kept = {t.ref() for t in speed_set}
+    everything = Segment(frozenset(view.recomputable), frozenset(), (), (), tuple(speed_set))
+    spares = {}
+    for op in view.ops:
+        if not op.outputs or op.outputs[0].ref() in kept or not saveable(view, op.outputs[0]):
+            continue
+        ops, _ = spared(view, everything, op.outputs[0], lambda t: False)
+        if any(_is_contraction(each) for each in ops):
+            spares[op] = ops
+    spared_by_others = {each for ops in spares.values() for each in ops[1:]}
+    return [op.outputs[0] for op in spares if op not in spared_by_others]
 
 
 def _leading(view: ForwardView, tensors: list[tf.Tensor], share: float) -> list[tf.Tensor]:

@@ -165,10 +165,50 @@ class Schedule:
 
 def saveable(view: ForwardView, tensor: tf.Tensor) -> bool:
     """Whether `tensor` can be saved inside a segment: the one output of a recomputable op
-    whose gradient reads only its inputs, so that the op's copy, made for that gradient, never
-    runs. Other tensors given as saved are recomputed as usual."""
+    whose gradient reads its inputs or its output, not both, so that the op's copy, made for
+    that gradient, never runs (a gradient reading the output reads the saved tensor: NOTE
+    [saved inside segments] in `rewriting/backprop.py`). Other tensors given as saved are
+    recomputed as usual."""
     op = tensor.op
-    return op in view.recomputable and len(op.outputs) == 1 and not view.costs[op].saved_outputs
+    if op not in view.recomputable or len(op.outputs) != 1:
+        return False
+    cost = view.costs[op]
+    return not (cost.saved_outputs and cost.saved_inputs)
+
+
+def spared(
+    view: ForwardView,
+    segment: Segment,
+    tensor: tf.Tensor,
+    is_boundary: Callable[[tf.Tensor], bool],
+) -> tuple[list[tf.Operation], list[tf.Tensor]]:
+    """The ops that `tensor`, saved inside `segment`, spares, its own first, and the tensors
+    they read from the others: its op and the recomputed ops whose outputs only those ops
+    read and whose readers' gradients do not (a softmax kept, the product of query and key
+    and the transpose before it): none of their copies runs. Each op comes before those
+    making its inputs."""
+    spares = {tensor.op}
+    reached = [tensor.op]
+    while reached:
+        reader = reached.pop()
+        read_again = view.costs[reader].saved_inputs
+        for index, t in enumerate(reader.inputs):
+            maker = t.op
+            if (
+                maker in spares
+                or maker not in segment.rerun
+                or index in read_again
+                or len(maker.outputs) != 1
+                or view.costs[maker].saved_outputs
+                or is_boundary(t)
+                or any(c in segment.ops and c not in spares for c in view.consumers(t))
+            ):
+                continue
+            spares.add(maker)
+            reached.append(maker)
+    ops = sorted(spares, key=view.position.__getitem__, reverse=True)
+    frontier = _unique(t for op in ops for t in op.inputs if t.op not in spares)
+    return ops, frontier
 
 
 def _step(

@@ -35,7 +35,12 @@ from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis.arguments import Gradient
 from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
-from memory_saving_gradients._src.planning.schedule import Schedule, Segment, recomputed_repeatedly
+from memory_saving_gradients._src.planning.schedule import (
+    Schedule,
+    Segment,
+    recomputed_repeatedly,
+    spared,
+)
 from memory_saving_gradients._src.rewriting import editor, gates, ordering
 
 logger = logging.getLogger(__name__)
@@ -292,7 +297,12 @@ def _run(
             for t, gate in zip([*read, *segment.saved], gated_reads, strict=True):
                 backprop.passed.setdefault(t.ref(), []).append(gate)
             saved = {
-                t.op: gate for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
+                t.op: (
+                    gate,
+                    *spared(view, segment, t, schedule.is_boundary),
+                    bool(view.costs[t.op].saved_outputs),
+                )
+                for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
             }
             recompute_scope = f"{scope}recompute_{depth}/"  # NOTE [names of recomputed ops]
             copies = editor.copy_ops(
@@ -394,21 +404,41 @@ def colocated(op: tf.Operation, colocate: bool):
 
 # NOTE [saved inside segments]: a tensor saved inside a segment is read from the forward pass
 # (through the step's gate) by the copies of its readers, and its op is copied only for the
-# gradient function, which reads that copy's inputs (recomputed) and never its output (only
-# such ops are saved: `schedule.saveable`). The readers read it through a pass-through that
-# is differentiated as that copy, so the step's one gradient call goes on through it into the
-# recomputed ops behind, and the copy itself, whose output nothing reads, never runs.
+# gradient function, which reads that copy's inputs (recomputed) or its output, then the
+# saved tensor, never both (only such ops are saved: `schedule.saveable`). The readers read
+# it through a pass-through that is differentiated as that copy, so the step's one gradient
+# call goes on through it into the recomputed ops behind, and the copy itself, whose output
+# nothing reads, never runs. Where the op's gradient reads no input (a softmax, a tanh), the
+# pass-through is differentiated as the ops behind it too, those no other gradient or copy
+# reads (`schedule.spared`: the product of query and key and the transpose before a
+# softmax), and reads what they read: their copies never run either.
 def _saved_in(
-    gates_of: dict[tf.Operation, tf.Tensor], op: tf.Operation, copy: tf.Operation
+    saved: dict[tf.Operation, tuple[tf.Tensor, list[tf.Operation], list[tf.Tensor], bool]],
+    op: tf.Operation,
+    copy: tf.Operation,
 ) -> tf.Tensor | None:
     """What the copies reading `copy`'s output read instead where `op` makes a saved tensor:
-    its gate (in `gates_of`, by op), differentiated as `copy` (NOTE [saved inside
-    segments]); None where `op`'s output is not saved."""
-    gate = gates_of.get(op)
-    if gate is None:
+    its gate, differentiated as `copy` and the copies of the ops it spares (NOTE [saved
+    inside segments]); None where `op`'s output is not saved. `saved`: each saved tensor's
+    op, its gate, the ops it spares and what they read (`schedule.spared`), and whether its
+    gradient reads its output."""
+    if op not in saved:
         return None
+    gate, spares, frontier, reads_output = saved[op]
+    copies, read = {op: copy}, {}
+    for original in spares:  # each before those making its inputs
+        for t, copied in zip(original.inputs, copies[original].inputs, strict=True):
+            if t.op in spares:
+                copies[t.op] = copied.op
+            else:
+                read[t.ref()] = copied
     with _tf.outside_caller_scopes(copy.graph), gates.placed_like(copy.outputs[0]):
-        return _tf.differentiated_as(gate, copy)
+        return _tf.differentiated_as(
+            gate,
+            [copies[original] for original in spares],
+            [read[t.ref()] for t in frontier],
+            reads_output,
+        )
 
 
 def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:
