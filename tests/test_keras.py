@@ -585,3 +585,32 @@ def test_attention_without_dropout_trains_as_keras(checkpoints, jit_compile):
         return model
 
     assert_same_weights(trained(True), trained(False), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile):
+    """`MultiHeadAttention` with attention dropout, its softmaxes saved beside 'speed''s
+    projections: each softmax's gradient reads the saved one, its query-key product is never
+    recomputed, and the dropout after it is recomputed with the same seeds (NOTE [saved
+    inside segments]). `fit` ends with Keras's own weights, with XLA too."""
+    from memory_saving_gradients._src.models import transformers
+    from memory_saving_gradients._src.planning import policies, search
+
+    def keep_softmaxes(view):
+        speed_set = policies._as_dense_as_contractions(view)
+        softmaxes = policies._sparing_contractions(view, speed_set)
+        assert [t.op.type for t in softmaxes] == ["Softmax", "Softmax"]
+        return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
+
+    def trained(enabled: bool) -> keras.Model:
+        task = transformers.encoder(blocks=2, width=32, length=128, batch=8, batches=2)
+        if enabled:
+            msg.keras.enable(task.model, checkpoints=keep_softmaxes)
+        model = task.compile(jit_compile=jit_compile)
+        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    checkpointed = trained(True)
+    plan = checkpointed.checkpoint_plan
+    assert plan.pays and "Softmax" in {t.op.type for t in plan.saved}, plan
+    assert_same_weights(checkpointed, trained(False), rtol=1e-4, atol=1e-6)
