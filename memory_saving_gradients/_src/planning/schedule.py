@@ -181,7 +181,7 @@ def spared(
     segment: Segment,
     tensor: tf.Tensor,
     is_boundary: Callable[[tf.Tensor], bool],
-) -> tuple[list[tf.Operation], list[tf.Tensor]]:
+) -> tuple[list[tf.Operation], tuple[tf.Tensor, ...]]:
     """The ops that `tensor`, saved inside `segment`, spares, its own first, and the tensors
     they read from the others: its op and the recomputed ops whose outputs only those ops
     read and whose readers' gradients do not (a softmax kept, the product of query and key

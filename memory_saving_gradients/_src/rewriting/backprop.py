@@ -413,7 +413,7 @@ def colocated(op: tf.Operation, colocate: bool):
 # reads (`schedule.spared`: the product of query and key and the transpose before a
 # softmax), and reads what they read: their copies never run either.
 def _saved_in(
-    saved: dict[tf.Operation, tuple[tf.Tensor, list[tf.Operation], list[tf.Tensor], bool]],
+    saved: dict[tf.Operation, tuple[tf.Tensor, list[tf.Operation], tuple[tf.Tensor, ...], bool]],
     op: tf.Operation,
     copy: tf.Operation,
 ) -> tf.Tensor | None:
