@@ -111,9 +111,8 @@ def test_saved_ops_are_never_run_again_and_gradients_equal_tf_gradients():
     assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
 
 
-def measured_peak(checkpoints) -> float:
-    """Bytes above resident of one SGD step in a fresh Session with one inter-op thread, the
-    least of three runs."""
+def measured_peak(checkpoints) -> tuple[int, int | None]:
+    """`sgd_step_peak` of the residual sine chain, and the plan's prediction."""
     with tf.Graph().as_default() as graph:
         x = tf1.placeholder(tf.float32, (BATCH, WIDTH))
         weights = weights_of()
@@ -123,15 +122,27 @@ def measured_peak(checkpoints) -> float:
         else:
             predicted = msg.plan(loss, weights, checkpoints=checkpoints).peak_bytes
             grads = msg.gradients(loss, weights, checkpoints=checkpoints)
+    return sgd_step_peak(graph, x, batch(), weights, grads)[0], predicted
+
+
+def sgd_step_peak(
+    graph: tf.Graph, x, value: np.ndarray, weights: list, grads: list
+) -> tuple[int, int]:
+    """Bytes above resident of an SGD step of `grads` in a fresh Session of `graph` with one
+    inter-op thread, feeding `value` to `x`: the least of three steps after one; and the
+    largest sum of bytes its live tensors requested, profiled (the allocator's peak adds its
+    rounding: a free block of less than twice a request is handed out whole)."""
+    from memory_saving_gradients.cli.suites import trace
+
+    with graph.as_default():
         train = tf.group(*(w.assign_sub(0.01 * g) for w, g in zip(weights, grads, strict=True)))
         init = tf1.global_variables_initializer()
     config = tf1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
     with tf1.Session(graph=graph, config=config) as session:
         session.run(init)
-        feed = {x: batch()}
-        session.run(train, feed)
-        peak = min(peak_memory(lambda: session.run(train, feed), warmup=0) for _ in range(3))
-    return peak, predicted
+        session.run(train, {x: value})
+        peak = min(peak_memory(lambda: session.run(train, {x: value}), warmup=0) for _ in range(3))
+        return peak, trace.profiled(lambda: session.run(train, {x: value})).requested_peak
 
 
 def peaks() -> dict[str, float]:
@@ -331,16 +342,10 @@ def attention_peak(checkpoints) -> dict[str, float]:
         loss = attention_chain(x, weights)
         plan = msg.plan(loss, weights, checkpoints=checkpoints)
         grads = msg.gradients(loss, weights, checkpoints=plan)
-        train = tf.group(*(w.assign_sub(0.01 * g) for w, g in zip(weights, grads, strict=True)))
-        init = tf1.global_variables_initializer()
-    config = tf1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
-    with tf1.Session(graph=graph, config=config) as session:
-        session.run(init)
-        feed = {x: attention_batch()}
-        session.run(train, feed)
-        peak = min(peak_memory(lambda: session.run(train, feed), warmup=0) for _ in range(3))
+    peak, requested = sgd_step_peak(graph, x, attention_batch(), weights, grads)
     return {
         "peak": peak,
+        "requested": requested,
         "predicted": plan.peak_bytes,
         "recomputed": plan.recompute_flops_fraction,
     }
@@ -361,9 +366,12 @@ print(json.dumps(attention_peaks()))
 
 def test_softmaxes_kept_cost_their_bytes_and_spare_the_products_as_predicted():
     """In a Session, in a fresh interpreter: each softmax kept adds its 4 MiB to the peak,
-    as predicted, and the products of query and key are no longer recomputed."""
+    as predicted, and the products of query and key are no longer recomputed. The bytes the
+    live tensors requested are predicted; the allocator's peak reads 24 or 29.25 MiB from one
+    process to the next (requested: 24, predicted 24.5), as it hands out blocks."""
     measured = json.loads(run_python("-c", _ATTENTION_PEAKS).strip().splitlines()[-1])
     speed, kept = measured["speed"], measured["softmaxes"]
-    assert abs(kept["peak"] - kept["predicted"]) <= 0.15 * kept["predicted"], measured
+    assert abs(kept["requested"] - kept["predicted"]) <= 0.15 * kept["predicted"], measured
+    assert kept["peak"] <= 1.25 * kept["predicted"], measured
     assert kept["peak"] > speed["peak"] + 4 * MIB, measured
     assert kept["recomputed"] < 0.5 * speed["recomputed"], measured
