@@ -171,12 +171,13 @@ def differentiated_as(
             if function is None or not parts:
                 continue
             reading = _ReadingOutputs(op, [value]) if reads_output and op is ops[0] else op
-            of_inputs = function(reading, _summed(parts))
+            of_inputs = function(reading, sum_gradients(parts))
             of_inputs = of_inputs if isinstance(of_inputs, (list, tuple)) else [of_inputs]
             for tensor, part in zip(op.inputs, of_inputs, strict=False):
                 if part is not None:
                     arriving.setdefault(tensor.ref(), []).append(part)
-        return [None, *(_summed(arriving.pop(t.ref(), [])) for t in frontier)]
+        reaching = [arriving.get(t.ref()) for t in frontier]
+        return [None, *(sum_gradients(parts) if parts else None for parts in reaching)]
 
     through._gradient_function = gradient
     passed[0].set_shape(value.shape)
@@ -194,13 +195,6 @@ class _ReadingOutputs:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._op, name)
-
-
-def _summed(parts: list) -> tf.Tensor | None:
-    """The sum of the gradient parts reaching one tensor; None where none does."""
-    if len(parts) <= 1:
-        return parts[0] if parts else None
-    return tf.math.add_n([tf.convert_to_tensor(part) for part in parts])
 
 
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:

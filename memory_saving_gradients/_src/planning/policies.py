@@ -33,12 +33,7 @@ from memory_saving_gradients._src.analysis import kernels
 from memory_saving_gradients._src.analysis.view import ForwardView, why_not_recomputable
 from memory_saving_gradients._src.planning import search, simulation, tunables
 from memory_saving_gradients._src.planning.plans import Plan
-from memory_saving_gradients._src.planning.schedule import (
-    Segment,
-    recomputed_repeatedly,
-    saveable,
-    spared,
-)
+from memory_saving_gradients._src.planning.schedule import recomputed_repeatedly, saveable, spared
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +197,13 @@ def _sparing_contractions(view: ForwardView, speed_set: list[tf.Tensor]) -> list
     product, the transpose and the softmax: `schedule.spared`), not the product itself where
     a later one of them spares it too."""
     kept = {t.ref() for t in speed_set}
-    everything = Segment(frozenset(view.recomputable), frozenset(), (), (), tuple(speed_set))
+    recomputable = frozenset(view.recomputable)
+    rerun = recomputable - {t.op for t in speed_set}
     spares = {}
     for op in view.ops:
         if not op.outputs or op.outputs[0].ref() in kept or not saveable(view, op.outputs[0]):
             continue
-        ops, _ = spared(view, everything, op.outputs[0], lambda t: False)
+        ops, _ = spared(view, op.outputs[0], rerun, recomputable, lambda t: False)
         if any(_is_contraction(each) for each in ops):
             spares[op] = ops
     spared_by_others = {each for ops in spares.values() for each in ops[1:]}

@@ -178,15 +178,16 @@ def saveable(view: ForwardView, tensor: tf.Tensor) -> bool:
 
 def spared(
     view: ForwardView,
-    segment: Segment,
     tensor: tf.Tensor,
+    rerun: frozenset[tf.Operation],
+    copied: frozenset[tf.Operation],
     is_boundary: Callable[[tf.Tensor], bool],
 ) -> tuple[list[tf.Operation], tuple[tf.Tensor, ...]]:
-    """The ops that `tensor`, saved inside `segment`, spares, its own first, and the tensors
-    they read from the others: its op and the recomputed ops whose outputs only those ops
-    read and whose readers' gradients do not (a softmax kept, the product of query and key
-    and the transpose before it): none of their copies runs. Each op comes before those
-    making its inputs."""
+    """The ops that `tensor`, saved inside a segment, spares, its own first, and the tensors
+    they read from the others: its op and the ops recomputed there (`rerun`, of the segment's
+    `copied` ops) whose outputs only those ops read and whose readers' gradients do not (a
+    softmax kept, the product of query and key and the transpose before it): none of their
+    copies runs. Each op comes before those making its inputs."""
     spares = {tensor.op}
     reached = [tensor.op]
     while reached:
@@ -196,12 +197,12 @@ def spared(
             maker = t.op
             if (
                 maker in spares
-                or maker not in segment.rerun
+                or maker not in rerun
                 or index in read_again
                 or len(maker.outputs) != 1
                 or view.costs[maker].saved_outputs
                 or is_boundary(t)
-                or any(c in segment.ops and c not in spares for c in view.consumers(t))
+                or any(c in copied and c not in spares for c in view.consumers(t))
             ):
                 continue
             spares.add(maker)

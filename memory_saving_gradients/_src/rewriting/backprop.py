@@ -296,10 +296,11 @@ def _run(
             gated = {t.ref(): gate for t, gate in zip(read, gated_reads[: len(read)], strict=True)}
             for t, gate in zip([*read, *segment.saved], gated_reads, strict=True):
                 backprop.passed.setdefault(t.ref(), []).append(gate)
+            rerun = segment.rerun
             saved = {
                 t.op: (
                     gate,
-                    *spared(view, segment, t, schedule.is_boundary),
+                    *spared(view, t, rerun, segment.ops, schedule.is_boundary),
                     bool(view.costs[t.op].saved_outputs),
                 )
                 for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
