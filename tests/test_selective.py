@@ -333,17 +333,22 @@ def test_a_saved_softmax_spares_its_product_and_gradients_equal_tf_gradients():
     assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
 
 
-def test_a_saved_softmax_gives_tf_gradients_in_a_session():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"gate_gradients": True, "aggregation_method": tf.AggregationMethod.ADD_N}],
+    ids=["defaults", "gated"],
+)
+def test_a_saved_softmax_gives_tf_gradients_in_a_session(options):
     """As TF1 programs run (the suite's TF1 slice: reference variables, v1 graphs): the
-    softmaxes kept, gradients equal `tf.gradients`'s."""
+    softmaxes kept, gradients equal `tf.gradients`'s, with its options too."""
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, attention_batch().shape)
         weights = attention_weights()
         loss = attention_chain(x, weights)
         plan = msg.plan(loss, weights, checkpoints=keep_softmaxes)
         assert plan.pays and "Softmax" in {t.op.type for t in plan.saved}, plan
-        got = msg.gradients(loss, weights, checkpoints=plan)
-        want = tf1.gradients(loss, weights)
+        got = msg.gradients(loss, weights, checkpoints=plan, **options)
+        want = tf1.gradients(loss, weights, **options)
         init = tf1.global_variables_initializer()
         with tf1.Session() as session:
             session.run(init)
