@@ -37,11 +37,23 @@ def block_outputs(model: keras.Model):
     return msg.keras.layer_outputs(*(block.name for block in model.backbone.transformer_layers))
 
 
+def keep_softmaxes(view):
+    """'speed''s saved tensors and every softmax whose saving spares a query-key product."""
+    from memory_saving_gradients._src.planning import policies, search
+
+    speed_set = policies._as_dense_as_contractions(view)
+    softmaxes = policies._sparing_contractions(view, speed_set)
+    assert softmaxes and {t.op.type for t in softmaxes} == {"Softmax"}, softmaxes
+    return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
+
+
 def checkpoints_of(name: str, model: keras.Model):
     if name == "blocks":
         return block_outputs(model)
     if name == "budget":
         return msg.MemoryBudget(0.4)
+    if name == "softmaxes":
+        return keep_softmaxes
     return name
 
 
@@ -96,6 +108,13 @@ def test_fit_trains_as_keras_under_speed(family):
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_fit_trains_as_keras_under_memory(family):
     assert_trains_as_keras(family, "memory")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_fit_trains_as_keras_with_the_softmaxes_kept(family):
+    """keras-hub's own attention (multi-head, grouped-query with rotary embeddings, a mixture
+    of experts), each softmax kept and its query-key product never recomputed."""
+    assert_trains_as_keras(family, "softmaxes")
 
 
 @pytest.mark.parametrize("checkpoints", ["budget", "blocks"])
