@@ -292,7 +292,7 @@ def test_budgets_may_keep_the_softmaxes_that_spare_the_products_of_query_and_key
     found = {}
 
     def sets_of(view):
-        found["speed"] = policies._as_dense_as_contractions(view)
+        found["speed"] = policies._speed_saved(view)
         found["sparing"] = policies._sparing_contractions(view, found["speed"])
         found["sets"] = policies._saveable_sets(view)
         return found["speed"]
@@ -349,6 +349,130 @@ def test_a_saved_softmax_gives_tf_gradients_in_a_session(options):
         assert plan.pays and "Softmax" in {t.op.type for t in plan.saved}, plan
         got = msg.gradients(loss, weights, checkpoints=plan, **options)
         want = tf1.gradients(loss, weights, **options)
+        init = tf1.global_variables_initializer()
+        with tf1.Session() as session:
+            session.run(init)
+            got, want = session.run([got, want], {x: attention_batch()})
+    assert_same_gradients(want, got)
+
+
+def grouped_query_chain(x: tf.Tensor, weights: list) -> tf.Tensor:
+    """Residual blocks of grouped-query attention with rotary embeddings, as Llama's: keys
+    and values for half the heads, each repeated for two queries; queries and keys rotated
+    (a split in halves, a negation, products with cosines and sines)."""
+    angles = np.arange(LENGTH)[:, None] * 0.05 ** (np.arange(HEAD_DIM // 2) / HEAD_DIM)
+    angles = np.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = tf.constant(np.cos(angles), tf.float32), tf.constant(np.sin(angles), tf.float32)
+
+    def rotated(t, heads):
+        t = tf.reshape(t, (ATTENTION_BATCH, LENGTH, heads, HEAD_DIM))
+        first, second = tf.split(t, 2, axis=-1)
+        return t * cos + tf.concat([-second, first], axis=-1) * sin
+
+    def by_head(t):
+        return tf.transpose(t, (0, 2, 1, 3))
+
+    h = x
+    for b in range(ATTENTION_BLOCKS):
+        wq, wk, wv, wo = weights[4 * b : 4 * b + 4]
+        flat = tf.reshape(h, (-1, HEADS * HEAD_DIM))
+        q = by_head(rotated(tf.matmul(flat, wq), HEADS))
+        k = tf.repeat(rotated(tf.matmul(flat, wk[:, : HEADS * HEAD_DIM // 2]), HEADS // 2), 2, 2)
+        v = tf.matmul(flat, wv[:, : HEADS * HEAD_DIM // 2])
+        v = tf.reshape(v, (ATTENTION_BATCH, LENGTH, HEADS // 2, HEAD_DIM))
+        scores = tf.matmul(q, by_head(k), transpose_b=True) * HEAD_DIM**-0.5
+        mixed = tf.matmul(tf.nn.softmax(scores), by_head(tf.repeat(v, 2, 2)))
+        mixed = tf.reshape(by_head(mixed), (-1, HEADS * HEAD_DIM))
+        h = h + tf.reshape(tf.tanh(tf.matmul(mixed, wo)), h.shape)
+    return tf.reduce_sum(h)
+
+
+def keep_speeds(view):
+    """What 'speed' saves, inside the least-peak cuts."""
+    from memory_saving_gradients._src.planning import policies, search
+
+    return search.least_peak_saving(view, policies._speed_saved(view), "'speed''s saved")
+
+
+def test_speed_saves_attentions_operands_not_the_projections_before_them():
+    """'speed' saves the queries as the query-key product reads them (rotated, split into
+    heads), not the projection before them, and the keys rotated, as `tf.repeat` takes them
+    (its ExpandDims, sharing their buffer) before repeating them for two heads each: no
+    larger than the projection. So the ops between are not run again, and its saved bytes
+    stay those of the projections' outputs."""
+    from memory_saving_gradients._src.planning import policies
+
+    found = {}
+
+    def sets_of(view):
+        found["dense"] = policies._as_dense_as_contractions(view)
+        found["speed"] = policies._speed_saved(view)
+        return found["speed"]
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, attention_batch().shape)
+        msg.plan(grouped_query_chain(x, attention_weights()), [x], checkpoints=sets_of)
+    dense, speed = found["dense"], found["speed"]
+    moved = [t for t in speed if t.ref() not in {d.ref() for d in dense}]
+    given_up = [t for t in dense if t.ref() not in {s.ref() for s in speed}]
+    types = sorted(t.op.type for t in moved)
+    assert types == sorted(["ExpandDims", "Transpose"] * ATTENTION_BLOCKS), moved
+    assert {t.op.type for t in given_up} == {"MatMul"}, given_up
+    assert len(given_up) == 2 * ATTENTION_BLOCKS, given_up
+    assert sum(t.shape.num_elements() for t in moved) == sum(
+        t.shape.num_elements() for t in given_up
+    )
+
+
+def copies_not_run(graph: tf.Graph, fetched: list[tf.Tensor]) -> set[tf.Operation]:
+    """The recomputed copies that computing `fetched` does not need: none of them runs
+    (TensorFlow runs only what its fetches need, and prunes the rest of a function)."""
+    needed, reached = set(), [t.op for t in fetched]
+    while reached:
+        op = reached.pop()
+        for maker in [t.op for t in op.inputs] + list(op.control_inputs):
+            if maker not in needed:
+                needed.add(maker)
+                reached.append(maker)
+    return set(recomputed_copies(graph)) - needed
+
+
+@pytest.mark.tf2_only
+def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
+    """Where the queries and keys are saved as the query-key product reads them, the copies
+    of their projections, splits (two outputs each) and rotations are not needed for the
+    gradients: none runs. Gradients equal `tf.gradients`'s."""
+    weights = attention_weights()
+
+    @tf.function
+    def step(x):
+        loss = grouped_query_chain(x, weights)
+        got = msg.gradients(loss, weights, checkpoints=keep_speeds)
+        graph = tf1.get_default_graph()
+        copies, unread = recomputed_copies(graph), copies_not_run(graph, got)
+        splits = [c for c in copies if c.type == "Split"]
+        assert len(splits) == 2 * (ATTENTION_BLOCKS - 1), copies  # the last block runs once
+        assert set(splits) <= unread, copies
+        projections = [c for c in unread if c.type == "MatMul"]
+        assert len(projections) == 2 * (ATTENTION_BLOCKS - 1), unread
+        assert all(c not in unread for c in copies if c.type == "Softmax"), unread
+        return tf.gradients(loss, weights), got
+
+    want, got = step(tf.constant(attention_batch()))
+    assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
+
+
+def test_operands_saved_give_tf_gradients_in_a_session():
+    """As TF1 programs run (the suite's TF1 slice): 'speed' on grouped-query attention with
+    rotary embeddings gives `tf.gradients`'s gradients."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, attention_batch().shape)
+        weights = attention_weights()
+        loss = grouped_query_chain(x, weights)
+        plan = msg.plan(loss, weights, checkpoints=keep_speeds)
+        assert plan.pays and "Transpose" in {t.op.type for t in plan.saved}, plan
+        got = msg.gradients(loss, weights, checkpoints=plan)
+        want = tf1.gradients(loss, weights)
         init = tf1.global_variables_initializer()
         with tf1.Session() as session:
             session.run(init)

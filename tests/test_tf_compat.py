@@ -133,6 +133,45 @@ def test_differentiated_as_a_chain_reads_the_value_where_the_last_op_reads_its_o
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("halves_read", [2, 1], ids=["both-halves", "one-half"])
+def test_differentiated_as_a_chain_through_a_split_gives_each_output_its_gradient(halves_read):
+    """Passed on as a rotation (a split in halves, read as rotary embeddings read them, or
+    one half of it alone), the gradient goes through the split's gradient with a part for
+    each of its outputs, zeros where nothing reads one: neither the split nor what it reads
+    runs."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [3, 4])
+        w = tf.constant(np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4))
+        product = tf.matmul(x, w)
+        first, second = tf.split(product, 2, axis=1)
+        negated = -second
+        turned = tf.concat([negated, first], axis=1) if halves_read == 2 else first * 3.0
+        chain = [turned.op, *([negated.op] if halves_read == 2 else []), first.op, product.op]
+        frontier = [t for op in chain for t in op.inputs if t.op not in chain]
+        kept = tf1.placeholder(tf.float32, turned.shape)  # what the forward pass kept
+        passed = _tf.differentiated_as(kept, chain, list(dict.fromkeys(frontier)))
+        through = tf1.gradients(tf.reduce_sum(tf.sin(passed)), [x])
+        assert first.op not in _needed_by(through)
+        reference = tf1.gradients(tf.reduce_sum(tf.sin(turned)), [x])
+        value = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
+        with tf1.Session() as session:
+            forward = session.run(turned, {x: value})
+            got = session.run(through, {x: value, kept: forward})
+            want = session.run(reference, {x: value})
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+
+
+def _needed_by(tensors: list[tf.Tensor]) -> set[tf.Operation]:
+    """The ops a Session runs to fetch `tensors`."""
+    needed, reached = set(), [t.op for t in tensors]
+    while reached:
+        for maker in [t.op for t in reached.pop().inputs]:
+            if maker not in needed:
+                needed.add(maker)
+                reached.append(maker)
+    return needed
+
+
 def test_copy_handle_data_lets_a_pass_through_of_a_handle_read_the_variable():
     with tf.Graph().as_default():
         v = tf.Variable([1.0, 2.0])

@@ -155,6 +155,7 @@ def differentiated_as(
     """`value` passed on unchanged (an IdentityN, which shares its buffer), differentiated as
     the one output of `ops[0]`, made by `ops` from `frontier`: the gradient arriving at it
     goes through the gradient functions of `ops` (each op before those making its inputs,
+    called with a gradient for each of its outputs,
     `ops[0]`'s reading `value` where it `reads_output`) into `frontier`, which the
     pass-through also reads (unchanged) for that, so none of `ops` need ever run. The
     gradient functions of the others must read none of their outputs, and none of the
@@ -167,11 +168,11 @@ def differentiated_as(
         arriving: dict[object, list] = {ops[0].outputs[0].ref(): [gradient]}
         for op in ops:
             function = tf_ops.get_gradient_function(op)
-            parts = arriving.pop(op.outputs[0].ref(), [])
-            if function is None or not parts:
+            parts = [arriving.pop(t.ref(), []) for t in op.outputs]
+            if function is None or not any(parts):
                 continue
             reading = _ReadingOutputs(op, [value]) if reads_output and op is ops[0] else op
-            of_inputs = function(reading, sum_gradients(parts))
+            of_inputs = function(reading, *map(_summed_or_zeros, parts, op.outputs))
             of_inputs = of_inputs if isinstance(of_inputs, (list, tuple)) else [of_inputs]
             for tensor, part in zip(op.inputs, of_inputs, strict=False):
                 if part is not None:
@@ -183,6 +184,17 @@ def differentiated_as(
     passed[0].set_shape(value.shape)
     handle_data_util.copy_handle_data(value, passed[0])
     return passed[0]
+
+
+def _summed_or_zeros(parts: list, output: tf.Tensor) -> tf.Tensor:
+    """The gradient of `output` from its `parts`, or zeros where none arrived (an output of a
+    split that nothing differentiated reads), as `tf.gradients` gives an op's gradient
+    function: of the output's static shape, else of its own (which then runs)."""
+    if parts:
+        return sum_gradients(parts)
+    if output.shape.is_fully_defined():
+        return tf.zeros(output.shape, output.dtype)
+    return tf.zeros_like(output)
 
 
 class _ReadingOutputs:

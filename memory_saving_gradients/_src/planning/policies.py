@@ -125,7 +125,7 @@ def speed(view: ForwardView, label: str) -> Plan:
         kept = list({t.ref(): t for t in (*kept, *ends)}.values())
     plans = [Plan(view, [kept], label)]
     if all(saveable(view, t) for t in expensive):  # else some would be recomputed
-        selective = search.least_peak_saving(view, _as_dense_as_contractions(view), label)
+        selective = search.least_peak_saving(view, _speed_saved(view), label)
         if selective.checkpoints:  # cuts of a chain's matmuls and tanhs save nothing
             plans.append(selective)
     return min(plans, key=lambda plan: (plan.peak_bytes, plan.recompute_flops_fraction))
@@ -163,6 +163,84 @@ def _as_dense_as_contractions(
     return [t for t in candidates if _density(view, t.op) >= floor]
 
 
+def _speed_saved(view: ForwardView, candidates: list[tf.Tensor] | None = None) -> list[tf.Tensor]:
+    """What 'speed' saves inside segments: `_as_dense_as_contractions`, moved up to the
+    operands of the products of activations it recomputes (`_up_to_products`)."""
+    return _up_to_products(view, _as_dense_as_contractions(view, candidates))
+
+
+def _up_to_products(view: ForwardView, saved: list[tf.Tensor]) -> list[tf.Tensor]:
+    """`saved` with tensors moved forward to the operands of the products of activations
+    it leaves recomputed, where those are no larger: attention's queries and keys as its
+    query-key product reads them, after the bias, the rotary embedding and the transpose
+    into heads, rather than the projections' outputs. As Megatron-LM keeps attention's
+    inputs, the recomputation then starts at the product: the ops between, cheap in FLOPs
+    but each a pass over memory, are not run again. An operand larger than what it is made
+    from (keys repeated for grouped-query attention) is moved no further than the last
+    tensor of the same size before it, and a saved tensor is given up only where every op
+    reading it is spared (`schedule.spared`)."""
+    kept = {t.ref() for t in saved}
+    recomputable = frozenset(view.recomputable)
+    rerun = recomputable - {t.op for t in saved}
+    moved: dict[object, tuple[tf.Tensor, set]] = {}
+    for op in view.ops:
+        if op not in rerun or not _is_contraction(op):
+            continue
+        for operand in op.inputs:
+            found = _moved_operand(view, operand, kept, rerun, recomputable)
+            if found is not None:
+                moved.setdefault(found[0].ref(), found)
+    while True:
+        spares = set().union(*(ops for _, ops in moved.values()))
+        given_up = {t.ref() for t in saved if _read_only_by(view, t, spares)}
+        unfed = [
+            ref
+            for ref, (tensor, ops) in moved.items()
+            if not any(t.ref() in given_up for op in ops for t in op.inputs)
+        ]
+        if not unfed:
+            break
+        for ref in unfed:
+            del moved[ref]
+    if not given_up:
+        return saved
+    return [t for t in saved if t.ref() not in given_up] + [t for t, _ in moved.values()]
+
+
+def _moved_operand(
+    view: ForwardView,
+    operand: tf.Tensor,
+    kept: set,
+    rerun: frozenset[tf.Operation],
+    recomputable: frozenset[tf.Operation],
+) -> tuple[tf.Tensor, set] | None:
+    """The tensor on the way from `kept` tensors to `operand` (a product's, recomputed) to
+    save in their place, and the ops saving it spares: the latest no larger than the kept
+    tensors it is made from. None where the way holds a product itself, or no such tensor."""
+    if operand.ref() in kept or operand.op not in rerun or not saveable(view, operand):
+        return None
+    ops, frontier = spared(view, operand, rerun, recomputable, lambda t: False)
+    fed = sum(view.bytes(t) for t in frontier if t.ref() in kept)
+    if not fed or any(_is_contraction(op) for op in ops):
+        return None
+    for op in ops:  # from the operand back
+        tensor = op.outputs[0] if len(op.outputs) == 1 else None
+        if tensor is not None and view.bytes(tensor) <= fed and saveable(view, tensor):
+            ops, _ = spared(view, tensor, rerun, recomputable, lambda t: False)
+            return tensor, set(ops)
+    return None
+
+
+def _read_only_by(view: ForwardView, tensor: tf.Tensor, ops: set[tf.Operation]) -> bool:
+    """Whether `ops` alone read `tensor`, and none of their gradients does."""
+    readers = view.consumers(tensor)
+    return bool(readers) and all(
+        reader in ops
+        and not any(reader.inputs[i] is tensor for i in view.costs[reader].saved_inputs)
+        for reader in readers
+    )
+
+
 def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
     """Sets of tensors a budget's plans may save inside segments: what 'speed' saves; its
     earliest tensors up to ever larger shares of its bytes (`tunables.SAVED_PREFIXES`: a plan
@@ -175,7 +253,7 @@ def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
     recomputes, up to the same shares of their bytes and all of them (Megatron-LM's
     selective recomputation with the softmax of the first blocks kept)."""
     candidates = _saveable(view)
-    speed_set = _as_dense_as_contractions(view, candidates)
+    speed_set = _speed_saved(view, candidates)
     in_forward_order = sorted(speed_set, key=lambda t: view.position[t.op])
     sets = [speed_set]
     sets += [_leading(view, in_forward_order, share) for share in tunables.SAVED_PREFIXES]
@@ -192,16 +270,24 @@ def _saveable_sets(view: ForwardView) -> list[list[tf.Tensor]]:
 
 
 def _sparing_contractions(view: ForwardView, speed_set: list[tf.Tensor]) -> list[tf.Tensor]:
-    """Tensors whose saving beside `speed_set` spares a product 'speed' recomputes, in
-    forward order: the softmax after attention's query-key product (saving it spares the
-    product, the transpose and the softmax: `schedule.spared`), not the product itself where
-    a later one of them spares it too."""
+    """Tensors whose saving beside `speed_set` spares a product 'speed' recomputes (not one
+    its saved tensors spare already), in forward order: the softmax after attention's
+    query-key product (saving it spares the product, the transpose and the softmax:
+    `schedule.spared`), not the product itself where a later one of them spares it too."""
     kept = {t.ref() for t in speed_set}
     recomputable = frozenset(view.recomputable)
     rerun = recomputable - {t.op for t in speed_set}
+    rerun -= {
+        op
+        for t in speed_set
+        if saveable(view, t)
+        for op in spared(view, t, rerun, recomputable, lambda t: False)[0]
+    }
     spares = {}
     for op in view.ops:
-        if not op.outputs or op.outputs[0].ref() in kept or not saveable(view, op.outputs[0]):
+        if op not in rerun or not op.outputs or op.outputs[0].ref() in kept:
+            continue
+        if not saveable(view, op.outputs[0]):
             continue
         ops, _ = spared(view, op.outputs[0], rerun, recomputable, lambda t: False)
         if any(_is_contraction(each) for each in ops):

@@ -185,31 +185,49 @@ def spared(
 ) -> tuple[list[tf.Operation], tuple[tf.Tensor, ...]]:
     """The ops that `tensor`, saved inside a segment, spares, its own first, and the tensors
     they read from the others: its op and the ops recomputed there (`rerun`, of the segment's
-    `copied` ops) whose outputs only those ops read and whose readers' gradients do not (a
-    softmax kept, the product of query and key and the transpose before it): none of their
-    copies runs. Each op comes before those making its inputs."""
+    `copied` ops) whose outputs only those ops read and no reader's gradient reads (a softmax
+    kept, the product of query and key and the transpose before it; a query kept after its
+    rotary embedding, the split, the products with sines and cosines and the projection
+    before it): none of their copies runs. Each op comes before those making its inputs."""
     spares = {tensor.op}
     reached = [tensor.op]
     while reached:
         reader = reached.pop()
-        read_again = view.costs[reader].saved_inputs
-        for index, t in enumerate(reader.inputs):
-            maker = t.op
+        for maker in dict.fromkeys(t.op for t in reader.inputs):
             if (
-                maker in spares
-                or maker not in rerun
-                or index in read_again
-                or len(maker.outputs) != 1
-                or view.costs[maker].saved_outputs
-                or is_boundary(t)
-                or any(c in copied and c not in spares for c in view.consumers(t))
+                maker not in spares
+                and maker in rerun
+                and _only_spares_read(view, maker, spares, copied, is_boundary)
             ):
-                continue
-            spares.add(maker)
-            reached.append(maker)
+                spares.add(maker)
+                reached.append(maker)
     ops = sorted(spares, key=view.position.__getitem__, reverse=True)
     frontier = _unique(t for op in ops for t in op.inputs if t.op not in spares)
     return ops, frontier
+
+
+def _only_spares_read(
+    view: ForwardView,
+    maker: tf.Operation,
+    spares: set[tf.Operation],
+    copied: frozenset[tf.Operation],
+    is_boundary: Callable[[tf.Tensor], bool],
+) -> bool:
+    """Whether every output of `maker` is read, among `copied` ops, by `spares` alone, whose
+    gradients do not read it, and no gradient of `maker` reads its outputs: then its copy
+    need not run where none of theirs does."""
+    if view.costs[maker].saved_outputs:
+        return False
+    for t in maker.outputs:
+        if is_boundary(t):
+            return False
+        for reader in view.consumers(t):
+            if reader not in copied:
+                continue
+            read_again = view.costs[reader].saved_inputs
+            if reader not in spares or any(reader.inputs[i] is t for i in read_again):
+                return False
+    return True
 
 
 def _step(
