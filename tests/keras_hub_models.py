@@ -41,10 +41,22 @@ def keep_softmaxes(view):
     """'speed''s saved tensors and every softmax whose saving spares a query-key product."""
     from memory_saving_gradients._src.planning import policies, search
 
-    speed_set = policies._as_dense_as_contractions(view)
+    speed_set = policies._speed_saved(view)
     softmaxes = policies._sparing_contractions(view, speed_set)
     assert softmaxes and {t.op.type for t in softmaxes} == {"Softmax"}, softmaxes
     return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
+
+
+def keep_operands(view):
+    """'speed''s saved tensors inside the least-peak cuts, where some are the operands of a
+    query-key product (after the rotary embedding, the transpose into heads) rather than the
+    projections before them."""
+    from memory_saving_gradients._src.planning import policies, search
+
+    projections = {t.ref() for t in policies._as_dense_as_contractions(view)}
+    speed_set = policies._speed_saved(view)
+    assert any(t.ref() not in projections for t in speed_set), "nothing was moved"
+    return search.least_peak_saving(view, speed_set, "operands kept")
 
 
 def checkpoints_of(name: str, model: keras.Model):
@@ -54,6 +66,8 @@ def checkpoints_of(name: str, model: keras.Model):
         return msg.MemoryBudget(0.4)
     if name == "softmaxes":
         return keep_softmaxes
+    if name == "operands":
+        return keep_operands
     return name
 
 
@@ -115,6 +129,18 @@ def test_fit_trains_as_keras_with_the_softmaxes_kept(family):
     """keras-hub's own attention (multi-head, grouped-query with rotary embeddings, a mixture
     of experts), each softmax kept and its query-key product never recomputed."""
     assert_trains_as_keras(family, "softmaxes")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_fit_trains_as_keras_with_the_query_key_operands_kept(family):
+    """The queries and keys saved as keras-hub's query-key product reads them (rotated and
+    split into heads; for grouped-query attention, the keys before their repeat), the
+    projections, rotations and transposes before them never recomputed."""
+    assert_trains_as_keras(family, "operands")
+
+
+def test_fit_compiled_by_xla_trains_as_keras_with_the_query_key_operands_kept():
+    assert_trains_as_keras("llama", "operands", xla=True)
 
 
 @pytest.mark.parametrize("checkpoints", ["budget", "blocks"])
