@@ -106,7 +106,8 @@ def speed(view: ForwardView, label: str) -> Plan:
     element where its projections take 2 * model_dim, and grow with the square of the
     sequence. So, as Megatron-LM's selective recomputation and JAX's
     `dots_with_no_batch_dims_saveable` do, it is recomputed (with the softmax and dropout
-    after it) unless it costs as much per byte as the cheapest product with a weight.
+    after it) unless it costs as much per byte as the cheapest product with a weight, and
+    what is saved is moved up to its operands (`_up_to_products`).
     """
     expensive = _usable(
         view,
