@@ -129,7 +129,8 @@ def speed(view: ForwardView, label: str) -> Plan:
         selective = search.least_peak_saving(view, _speed_saved(view), label)
         if selective.checkpoints:  # cuts of a chain's matmuls and tanhs save nothing
             plans.append(selective)
-    return min(plans, key=lambda plan: (plan.peak_bytes, plan.recompute_flops_fraction))
+    best = min(plans, key=lambda plan: (plan.peak_bytes, plan.recompute_flops_fraction))
+    return search.as_it_ran_first(best)
 
 
 def _saveable(view: ForwardView) -> list[tf.Tensor]:
@@ -376,7 +377,7 @@ def memory(view: ForwardView, label: str) -> Plan:
     When no cuts lower the peak (tiny graphs), none are kept and gradients are computed as
     `tf.gradients` does, which is logged.
     """
-    return search.least_peak(view, label)
+    return search.as_it_ran_first(search.least_peak(view, label))
 
 
 def balanced(view: ForwardView, label: str) -> Plan:
@@ -385,8 +386,10 @@ def balanced(view: ForwardView, label: str) -> Plan:
     the forward pass that fits is not recomputed at all)."""
     plain = simulation.plain_peak(view)
     least = search.one_level_least_peak(view, plain)
-    return search.within_budget(
-        view, least + (plain - least) / 3, plain, label, saveable=_saveable_sets(view)
+    return search.as_it_ran_first(
+        search.within_budget(
+            view, least + (plain - least) / 3, plain, label, saveable=_saveable_sets(view)
+        )
     )
 
 
@@ -474,13 +477,15 @@ class MemoryBudget:
         else:
             assert self.fraction is not None  # __post_init__ checks that one is given
             budget = self.fraction * plain
-        return search.within_budget(
-            view,
-            budget,
-            plain,
-            repr(self),
-            search.budget_headroom(view),
-            saveable=_saveable_sets(view),
+        return search.as_it_ran_first(
+            search.within_budget(
+                view,
+                budget,
+                plain,
+                repr(self),
+                search.budget_headroom(view),
+                saveable=_saveable_sets(view),
+            )
         )
 
 

@@ -43,6 +43,26 @@ def _least_work(candidates: Sequence[tuple[Plan, float]]) -> Plan:
     return min(candidates, key=lambda pair: pair[1])[0]
 
 
+def as_it_ran_first(plan: Plan) -> Plan:
+    """`plan` less the checkpoints behind which backprop would recompute first, for as long
+    as that predicts no higher peak. The segment behind the ys is differentiated on the
+    forward pass's own ops; the one backprop reaches next would be recomputed right after
+    the forward pass made the same tensors, which are then held at the same time as they
+    would have been, so recomputing it only repeats work (a loss's softmax cross-entropy
+    behind a kept sum of it: `speed` keeps reductions). Plans of one level only."""
+    while plan.pays and not plan.nested:
+        first = set(plan.schedule.steps[0].boundary_ops) if plan.schedule.steps else set()
+        kept = [t for t in plan.checkpoints if t.op not in first]
+        if not kept or len(kept) == len(plan.checkpoints):
+            break
+        view = plan.schedule.view
+        shorter = Plan(view, [kept], plan.strategy, plan.plain_peak_bytes, plan.saved)
+        if not shorter.peak_within(plan.peak_bytes):
+            break
+        plan = shorter
+    return plan
+
+
 def _near_least(plans: Sequence[Plan], gain: float) -> list[Plan]:
     """Those of `plans` whose predicted peak is within `gain` of the least of theirs, in
     their order. Each is simulated only until its peak passes that bound for the least found
