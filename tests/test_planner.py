@@ -10,6 +10,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import cut_search
+from memory_saving_gradients._src.planning.plans import Plan
 from tests.helpers import assert_same_gradients
 
 tf1 = tf.compat.v1
@@ -219,3 +220,50 @@ def test_equal_cuts_prefer_tensors_backprop_would_not_hold():
         plan = msg.plan(tf.reduce_sum(h), tf1.trainable_variables(), checkpoints="memory")
     assert plan.checkpoints
     assert {t.op.type for t in plan.checkpoints} == {"MatMul"}
+
+
+def loss_tail_model(x: tf.Tensor, weights: list) -> tf.Tensor:
+    """GELU blocks, logits and a softmax cross-entropy summed, as a language model's loss."""
+    h = x
+    for w in weights[:-1]:
+        h = h + tf.nn.gelu(tf.matmul(h, w))
+    labels = tf.constant(np.arange(x.shape[0]) % weights[-1].shape[1], tf.int32)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.matmul(h, weights[-1]))
+    return tf.reduce_sum(losses) / x.shape[0]
+
+
+def test_the_segment_backprop_reaches_first_is_not_recomputed():
+    """A plan keeping the summed loss would recompute the cross-entropy behind it right after
+    the forward pass made it: `as_it_ran_first` drops that checkpoint, its predicted peak no
+    higher, the cross-entropy differentiated as it ran and gradients those of tf.gradients."""
+    from memory_saving_gradients._src.planning import search
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 64)).astype("f4")
+    with tf.Graph().as_default() as graph:
+        shapes = [(64, 64)] * 6 + [(64, 512)]
+        weights = [tf.Variable(rng.normal(0, 0.1, shape).astype("f4")) for shape in shapes]
+        inputs = tf.compat.v1.placeholder(tf.float32, x.shape)
+        loss = loss_tail_model(inputs, weights)
+        found = {}
+
+        def keep_the_sum(view):
+            blocks = [op.outputs[0] for op in view.ops if op.type == "AddV2"]
+            logits = [op.outputs[0] for op in view.ops if op.type == "MatMul"][-1]
+            found["sum"] = [op.outputs[0] for op in view.ops if op.type == "Sum"][-1]
+            found["plan"] = Plan(view, [[*blocks[1::2], logits, found["sum"]]], "sum kept")
+            found["trimmed"] = search.as_it_ran_first(found["plan"])
+            return found["trimmed"]
+
+        got = msg.gradients(loss, weights, checkpoints=keep_the_sum)
+        plan, trimmed = found["plan"], found["trimmed"]
+        assert found["sum"].ref() not in {t.ref() for t in trimmed.checkpoints}, trimmed
+        assert trimmed.checkpoints and trimmed.peak_bytes <= plan.peak_bytes
+        assert trimmed.recompute_flops_fraction < plan.recompute_flops_fraction
+        copies = [op.type for op in graph.get_operations() if "/recompute_" in op.name]
+        assert copies and "SparseSoftmaxCrossEntropyWithLogits" not in copies, copies
+        want = tf.compat.v1.gradients(loss, weights)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            got, want = session.run([got, want], {inputs: x})
+    assert_same_gradients(want, got)
