@@ -341,12 +341,18 @@ def test_a_saved_softmax_spares_its_product_and_gradients_equal_tf_gradients():
 def test_a_saved_softmax_gives_tf_gradients_in_a_session(options):
     """As TF1 programs run (the suite's TF1 slice: reference variables, v1 graphs): the
     softmaxes kept, gradients equal `tf.gradients`'s, with its options too."""
+    assert_session_gradients(attention_chain, keep_softmaxes, "Softmax", options)
+
+
+def assert_session_gradients(chain, checkpoints, saved_type: str, options: dict) -> None:
+    """Gradients of `chain`'s loss in a Session, planned by `checkpoints` (which saves some
+    `saved_type` tensors), equal `tf.gradients`'s with `options`."""
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, attention_batch().shape)
         weights = attention_weights()
-        loss = attention_chain(x, weights)
-        plan = msg.plan(loss, weights, checkpoints=keep_softmaxes)
-        assert plan.pays and "Softmax" in {t.op.type for t in plan.saved}, plan
+        loss = chain(x, weights)
+        plan = msg.plan(loss, weights, checkpoints=checkpoints)
+        assert plan.pays and saved_type in {t.op.type for t in plan.saved}, plan
         got = msg.gradients(loss, weights, checkpoints=plan, **options)
         want = tf1.gradients(loss, weights, **options)
         init = tf1.global_variables_initializer()
@@ -465,19 +471,7 @@ def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
 def test_operands_saved_give_tf_gradients_in_a_session():
     """As TF1 programs run (the suite's TF1 slice): 'speed' on grouped-query attention with
     rotary embeddings gives `tf.gradients`'s gradients."""
-    with tf.Graph().as_default():
-        x = tf1.placeholder(tf.float32, attention_batch().shape)
-        weights = attention_weights()
-        loss = grouped_query_chain(x, weights)
-        plan = msg.plan(loss, weights, checkpoints=keep_speeds)
-        assert plan.pays and "Transpose" in {t.op.type for t in plan.saved}, plan
-        got = msg.gradients(loss, weights, checkpoints=plan)
-        want = tf1.gradients(loss, weights)
-        init = tf1.global_variables_initializer()
-        with tf1.Session() as session:
-            session.run(init)
-            got, want = session.run([got, want], {x: attention_batch()})
-    assert_same_gradients(want, got)
+    assert_session_gradients(grouped_query_chain, keep_speeds, "Transpose", {})
 
 
 def attention_peak(checkpoints) -> dict[str, float]:

@@ -49,13 +49,18 @@ def as_it_ran_first(plan: Plan) -> Plan:
     forward pass's own ops; the one backprop reaches next would be recomputed right after
     the forward pass made the same tensors, which are then held at the same time as they
     would have been, so recomputing it only repeats work (a loss's softmax cross-entropy
-    behind a kept sum of it: `speed` keeps reductions). Plans of one level only."""
-    while plan.pays and not plan.nested:
-        first = set(plan.schedule.steps[0].boundary_ops) if plan.schedule.steps else set()
-        kept = [t for t in plan.checkpoints if t.op not in first]
-        if not kept or len(kept) == len(plan.checkpoints):
+    behind a kept sum of it: `speed` keeps reductions), where what it would make again is
+    a small part of the peak (`tunables.AS_IT_RAN_SHARE`). Plans of one level only."""
+    while plan.pays and not plan.nested and plan.schedule.steps:
+        view, step = plan.schedule.view, plan.schedule.steps[0]
+        remade = sum(sum(view.costs[op].output_bytes) for op in step.segment.rerun)
+        kept = [t for t in plan.checkpoints if t.op not in step.boundary_ops]
+        if (
+            not kept
+            or len(kept) == len(plan.checkpoints)
+            or remade > tunables.AS_IT_RAN_SHARE * plan.peak_bytes
+        ):
             break
-        view = plan.schedule.view
         shorter = Plan(view, [kept], plan.strategy, plan.plain_peak_bytes, plan.saved)
         if not shorter.peak_within(plan.peak_bytes):
             break

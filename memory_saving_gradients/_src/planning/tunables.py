@@ -53,3 +53,13 @@ SAVED_PREFIXES = (0.25, 0.5, 0.75)
 #: Shares of the saveable tensors' bytes that budgets try to save, densest compute per byte
 #: first: each share is one more set of plans to search, the plan recomputing least winning.
 SAVED_SHARES = (0.25, 0.5, 0.75)
+
+# Plans' first segment (`search.as_it_ran_first`).
+
+#: The largest share of a plan's predicted peak that the segment backprop reaches first may
+#: make when it is recomputed for it still to be differentiated as it ran instead. The
+#: simulator has the same tensors alive either way, but at the turn from the forward pass
+#: to backprop the executor's order is where it is least sure: given up for the last block of
+#: the encoder of `fit --model transformer --grow length` (attention matrices), 'speed' fit
+#: 432 tokens in 128 MiB where it fit 465; the softmax cross-entropy of a loss is far below it.
+AS_IT_RAN_SHARE = 0.125
