@@ -39,10 +39,10 @@ def block_outputs(model: keras.Model):
 
 def keep_softmaxes(view):
     """'speed''s saved tensors and every softmax whose saving spares a query-key product."""
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
 
-    speed_set = policies._speed_saved(view)
-    softmaxes = policies._sparing_contractions(view, speed_set)
+    speed_set = saving.speed_saved(view)
+    softmaxes = saving.sparing_contractions(view, speed_set)
     assert softmaxes and {t.op.type for t in softmaxes} == {"Softmax"}, softmaxes
     return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
 
@@ -51,10 +51,10 @@ def keep_operands(view):
     """'speed''s saved tensors inside the least-peak cuts, where some are the operands of a
     query-key product (after the rotary embedding, the transpose into heads) rather than the
     projections before them."""
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
 
-    projections = {t.ref() for t in policies._as_dense_as_contractions(view)}
-    speed_set = policies._speed_saved(view)
+    projections = {t.ref() for t in saving.as_dense_as_contractions(view)}
+    speed_set = saving.speed_saved(view)
     assert any(t.ref() not in projections for t in speed_set), "nothing was moved"
     return search.least_peak_saving(view, speed_set, "operands kept")
 

@@ -599,11 +599,11 @@ def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile, policy):
     inside segments]). `fit` ends with Keras's own weights, with XLA too, and under
     mixed_float16 (the softmax in float32 between casts) to float16 round-off."""
     from memory_saving_gradients._src.models import transformers
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
 
     def keep_softmaxes(view):
-        speed_set = policies._as_dense_as_contractions(view)
-        softmaxes = policies._sparing_contractions(view, speed_set)
+        speed_set = saving.as_dense_as_contractions(view)
+        softmaxes = saving.sparing_contractions(view, speed_set)
         assert [t.op.type for t in softmaxes] == ["Softmax", "Softmax"]
         return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 import memory_saving_gradients as msg
 from memory_saving_gradients._src.analysis import arguments
 from memory_saving_gradients._src.analysis.view import ForwardView
-from memory_saving_gradients._src.planning.policies import EXPENSIVE_OP_TYPES
+from memory_saving_gradients._src.planning.saving import EXPENSIVE_OP_TYPES
 from memory_saving_gradients._src.planning.schedule import Schedule, recomputed_repeatedly
 from tests.random_graphs import Variables, build, programs
 

@@ -218,11 +218,11 @@ def test_the_cut_search_counts_what_is_saved_before_each_segment():
 def test_zoo_selective_plans_give_tf_gradients(name):
     """Every matmul and convolution output saved inside the segments of the least-peak cuts,
     on the zoo's convolutional networks (batch norm, depthwise convolutions, concatenations)."""
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
     from tests.test_zoo import assert_close_to_scale, built, reference, run
 
     def selective(view):
-        saved = [t for s in policies._saveable_sets(view)[:1] for t in s]
+        saved = [t for s in saving.saveable_sets(view)[:1] for t in s]
         assert saved, "no convolution output can be saved"
         return search.least_peak_saving(view, saved, "selective")
 
@@ -276,25 +276,25 @@ def attention_batch() -> np.ndarray:
 
 def keep_softmaxes(view):
     """'speed''s saved tensors and every softmax, inside the least-peak cuts."""
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
 
     softmaxes = [op.outputs[0] for op in view.ops if op.type == "Softmax"]
     assert len(softmaxes) == ATTENTION_BLOCKS
-    saved = [*policies._as_dense_as_contractions(view), *softmaxes]
+    saved = [*saving.as_dense_as_contractions(view), *softmaxes]
     return search.least_peak_saving(view, saved, "softmaxes kept")
 
 
 def test_budgets_may_keep_the_softmaxes_that_spare_the_products_of_query_and_key():
     """What budgets may save besides 'speed''s: each softmax (saving it spares its product
     of query and key), not that product, and nothing of the projections' activations."""
-    from memory_saving_gradients._src.planning import policies
+    from memory_saving_gradients._src.planning import saving
 
     found = {}
 
     def sets_of(view):
-        found["speed"] = policies._speed_saved(view)
-        found["sparing"] = policies._sparing_contractions(view, found["speed"])
-        found["sets"] = policies._saveable_sets(view)
+        found["speed"] = saving.speed_saved(view)
+        found["sparing"] = saving.sparing_contractions(view, found["speed"])
+        found["sets"] = saving.saveable_sets(view)
         return found["speed"]
 
     with tf.Graph().as_default():
@@ -395,9 +395,9 @@ def grouped_query_chain(x: tf.Tensor, weights: list) -> tf.Tensor:
 
 def keep_speeds(view):
     """What 'speed' saves, inside the least-peak cuts."""
-    from memory_saving_gradients._src.planning import policies, search
+    from memory_saving_gradients._src.planning import saving, search
 
-    return search.least_peak_saving(view, policies._speed_saved(view), "'speed''s saved")
+    return search.least_peak_saving(view, saving.speed_saved(view), "'speed''s saved")
 
 
 def test_speed_saves_attentions_operands_not_the_projections_before_them():
@@ -406,13 +406,13 @@ def test_speed_saves_attentions_operands_not_the_projections_before_them():
     (its ExpandDims, sharing their buffer) before repeating them for two heads each: no
     larger than the projection. So the ops between are not run again, and its saved bytes
     stay those of the projections' outputs."""
-    from memory_saving_gradients._src.planning import policies
+    from memory_saving_gradients._src.planning import saving
 
     found = {}
 
     def sets_of(view):
-        found["dense"] = policies._as_dense_as_contractions(view)
-        found["speed"] = policies._speed_saved(view)
+        found["dense"] = saving.as_dense_as_contractions(view)
+        found["speed"] = saving.speed_saved(view)
         return found["speed"]
 
     with tf.Graph().as_default():
