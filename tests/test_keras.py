@@ -593,16 +593,17 @@ def test_attention_without_dropout_trains_as_keras(checkpoints, jit_compile):
     ids=["graph", "xla", "mixed_float16"],
 )
 def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile, policy):
-    """`MultiHeadAttention` with attention dropout, its softmaxes saved beside 'speed''s
-    projections: each softmax's gradient reads the saved one, its query-key product is never
-    recomputed, and the dropout after it is recomputed with the same seeds (NOTE [saved
-    inside segments]). `fit` ends with Keras's own weights, with XLA too, and under
-    mixed_float16 (the softmax in float32 between casts) to float16 round-off."""
+    """`MultiHeadAttention` with attention dropout, its softmaxes saved beside what 'speed'
+    saves (the projections, the queries and keys as the product reads them): each softmax's
+    gradient reads the saved one, its query-key product is never recomputed, and the dropout
+    after it is recomputed with the same seeds (NOTE [saved inside segments]). `fit` ends
+    with Keras's own weights, with XLA too, and under mixed_float16 (the softmax in float32
+    between casts) to float16 round-off."""
     from memory_saving_gradients._src.models import transformers
     from memory_saving_gradients._src.planning import saving, search
 
     def keep_softmaxes(view):
-        speed_set = saving.as_dense_as_contractions(view)
+        speed_set = saving.speed_saved(view)
         softmaxes = saving.sparing_contractions(view, speed_set)
         assert [t.op.type for t in softmaxes] == ["Softmax", "Softmax"]
         return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")

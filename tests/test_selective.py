@@ -468,10 +468,15 @@ def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
     assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
 
 
-def test_operands_saved_give_tf_gradients_in_a_session():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"gate_gradients": True, "aggregation_method": tf.AggregationMethod.ADD_N}],
+    ids=["defaults", "gated"],
+)
+def test_operands_saved_give_tf_gradients_in_a_session(options):
     """As TF1 programs run (the suite's TF1 slice): 'speed' on grouped-query attention with
-    rotary embeddings gives `tf.gradients`'s gradients."""
-    assert_session_gradients(grouped_query_chain, keep_speeds, "Transpose", {})
+    rotary embeddings gives `tf.gradients`'s gradients, with its options too."""
+    assert_session_gradients(grouped_query_chain, keep_speeds, "Transpose", options)
 
 
 def attention_peak(checkpoints) -> dict[str, float]:

@@ -155,8 +155,8 @@ def differentiated_as(
     """`value` passed on unchanged (an IdentityN, which shares its buffer), differentiated as
     the one output of `ops[0]`, made by `ops` from `frontier`: the gradient arriving at it
     goes through the gradient functions of `ops` (each op before those making its inputs,
-    called with a gradient for each of its outputs,
-    `ops[0]`'s reading `value` where it `reads_output`) into `frontier`, which the
+    given a gradient for each of its outputs; `ops[0]`'s reading `value` where it
+    `reads_output`) into `frontier`, which the
     pass-through also reads (unchanged) for that, so none of `ops` need ever run. The
     gradient functions of the others must read none of their outputs, and none of the
     tensors `ops` pass among themselves. Built in the caller's scopes (the caller places it).
