@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -145,6 +146,19 @@ def recomputed_copies(graph: tf.Graph) -> list[tf.Operation]:
     """The forward ops the rewrite copied, at every level of nesting, not the gradient ops
     TensorFlow names after them."""
     return [op for op in graph.get_operations() if original_of(op) is not None]
+
+
+def ops_run_for(fetched: Sequence[tf.Tensor]) -> set[tf.Operation]:
+    """The ops TensorFlow runs to compute `fetched`, through data and control inputs (a
+    Session runs only those; a function's graph is pruned to them)."""
+    needed, reached = set(), [t.op for t in fetched]
+    while reached:
+        op = reached.pop()
+        for maker in [t.op for t in op.inputs] + list(op.control_inputs):
+            if maker not in needed:
+                needed.add(maker)
+                reached.append(maker)
+    return needed
 
 
 def original_of(copy: tf.Operation) -> tf.Operation | None:

@@ -20,7 +20,13 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients._src.planning import cut_search, tunables
 from memory_saving_gradients.profiling import peak_memory
-from tests.helpers import assert_same_gradients, original_of, recomputed_copies, run_python
+from tests.helpers import (
+    assert_same_gradients,
+    ops_run_for,
+    original_of,
+    recomputed_copies,
+    run_python,
+)
 
 tf1 = tf.compat.v1
 BATCH, WIDTH, BLOCKS = 1024, 256, 12
@@ -430,19 +436,6 @@ def test_speed_saves_attentions_operands_not_the_projections_before_them():
     )
 
 
-def copies_not_run(graph: tf.Graph, fetched: list[tf.Tensor]) -> set[tf.Operation]:
-    """The recomputed copies that computing `fetched` does not need: none of them runs
-    (TensorFlow runs only what its fetches need, and prunes the rest of a function)."""
-    needed, reached = set(), [t.op for t in fetched]
-    while reached:
-        op = reached.pop()
-        for maker in [t.op for t in op.inputs] + list(op.control_inputs):
-            if maker not in needed:
-                needed.add(maker)
-                reached.append(maker)
-    return set(recomputed_copies(graph)) - needed
-
-
 @pytest.mark.tf2_only
 def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
     """Where the queries and keys are saved as the query-key product reads them, the copies
@@ -455,7 +448,8 @@ def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
         loss = grouped_query_chain(x, weights)
         got = msg.gradients(loss, weights, checkpoints=keep_speeds)
         graph = tf1.get_default_graph()
-        copies, unread = recomputed_copies(graph), copies_not_run(graph, got)
+        copies = recomputed_copies(graph)
+        unread = set(copies) - ops_run_for(got)
         splits = [c for c in copies if c.type == "Split"]
         assert len(splits) == 2 * (ATTENTION_BLOCKS - 1), copies  # the last block runs once
         assert set(splits) <= unread, copies

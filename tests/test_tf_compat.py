@@ -11,8 +11,8 @@ import tensorflow as tf
 from tensorflow.python.training import optimizer as v1_optimizer
 
 from memory_saving_gradients._src import _tf
+from tests.helpers import ops_run_for, run_python
 from tests.helpers import run_in_session as run
-from tests.helpers import run_python
 
 tf1 = tf.compat.v1
 
@@ -151,7 +151,7 @@ def test_differentiated_as_a_chain_through_a_split_gives_each_output_its_gradien
         kept = tf1.placeholder(tf.float32, turned.shape)  # what the forward pass kept
         passed = _tf.differentiated_as(kept, chain, list(dict.fromkeys(frontier)))
         through = tf1.gradients(tf.reduce_sum(tf.sin(passed)), [x])
-        assert first.op not in _needed_by(through)
+        assert first.op not in ops_run_for(through)
         reference = tf1.gradients(tf.reduce_sum(tf.sin(turned)), [x])
         value = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
         with tf1.Session() as session:
@@ -159,17 +159,6 @@ def test_differentiated_as_a_chain_through_a_split_gives_each_output_its_gradien
             got = session.run(through, {x: value, kept: forward})
             want = session.run(reference, {x: value})
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-
-
-def _needed_by(tensors: list[tf.Tensor]) -> set[tf.Operation]:
-    """The ops a Session runs to fetch `tensors`."""
-    needed, reached = set(), [t.op for t in tensors]
-    while reached:
-        for maker in [t.op for t in reached.pop().inputs]:
-            if maker not in needed:
-                needed.add(maker)
-                reached.append(maker)
-    return needed
 
 
 def test_copy_handle_data_lets_a_pass_through_of_a_handle_read_the_variable():
