@@ -339,11 +339,15 @@ def test_a_saved_softmax_spares_its_product_and_gradients_equal_tf_gradients():
     assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
 
 
-@pytest.mark.parametrize(
+#: `tf.gradients`' defaults, and gated gradients summed by another method.
+with_gradients_options = pytest.mark.parametrize(
     "options",
     [{}, {"gate_gradients": True, "aggregation_method": tf.AggregationMethod.ADD_N}],
     ids=["defaults", "gated"],
 )
+
+
+@with_gradients_options
 def test_a_saved_softmax_gives_tf_gradients_in_a_session(options):
     """As TF1 programs run (the suite's TF1 slice: reference variables, v1 graphs): the
     softmaxes kept, gradients equal `tf.gradients`'s, with its options too."""
@@ -462,11 +466,7 @@ def test_operands_saved_spare_the_rotations_and_gradients_equal_tf_gradients():
     assert_same_gradients([w.numpy() for w in want], [g.numpy() for g in got])
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"gate_gradients": True, "aggregation_method": tf.AggregationMethod.ADD_N}],
-    ids=["defaults", "gated"],
-)
+@with_gradients_options
 def test_operands_saved_give_tf_gradients_in_a_session(options):
     """As TF1 programs run (the suite's TF1 slice): 'speed' on grouped-query attention with
     rotary embeddings gives `tf.gradients`'s gradients, with its options too."""
