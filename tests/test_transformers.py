@@ -9,13 +9,15 @@ of raw TensorFlow ops, in a `tf.function`.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.profiling import peak_memory
-from tests.helpers import assert_same_gradients
+from tests.helpers import assert_same_gradients, run_python
 
 BLOCKS, BATCH, LENGTH, WIDTH, HEADS = 4, 8, 128, 64, 4
 MIB = 2**20
@@ -85,9 +87,9 @@ def test_speed_recomputes_attention_scores_and_keeps_the_projections():
     assert plan.peak_bytes <= 0.5 * plan.plain_peak_bytes, plan
 
 
-@pytest.mark.parametrize("checkpoints", ["speed", "memory"])
-def test_attention_stack_holds_what_its_plan_predicts(checkpoints):
-    """Measured against plain in the same process, and against the prediction (15%)."""
+def stack_peaks(checkpoints: str) -> tuple[int, int, int]:
+    """Measured peaks (least of two steps) of plain and `checkpoints` SGD steps of the
+    attention stack, and the plan's predicted peak."""
     variables, loss_of, x = attention_stack()
 
     def sgd(checkpoints):
@@ -111,6 +113,24 @@ def test_attention_stack_holds_what_its_plan_predicts(checkpoints):
     plain = min(peak_memory(plain_step) for _ in range(2))
     step, predicted = sgd(checkpoints)
     peak = min(peak_memory(step) for _ in range(2))
-    plan = predicted["plan"]
+    return plain, peak, predicted["plan"].peak_bytes
+
+
+_STACK_PEAKS = """
+import json
+import sys
+from tests.test_transformers import stack_peaks
+print(json.dumps(stack_peaks(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("checkpoints", ["speed", "memory"])
+def test_attention_stack_holds_what_its_plan_predicts(checkpoints):
+    """Measured against plain in the same process, and against the prediction (15%). In a
+    fresh interpreter: TensorFlow's CPU allocator hands a request a free block of up to twice
+    its size whole, so blocks that earlier tests left free can read as megabytes more here
+    (13.5 MiB once in CI, where a fresh process measures 9.2-10.2)."""
+    out = run_python("-c", _STACK_PEAKS, checkpoints)
+    plain, peak, predicted = json.loads(out.strip().splitlines()[-1])
     assert peak <= 0.6 * plain, (peak / MIB, plain / MIB)
-    assert abs(peak - plan.peak_bytes) <= 0.15 * peak + MIB, (peak / MIB, plan)
+    assert abs(peak - predicted) <= 0.15 * peak + MIB, (peak / MIB, predicted / MIB)
