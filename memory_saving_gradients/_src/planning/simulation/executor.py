@@ -1,6 +1,8 @@
 """The order in which TensorFlow's executor runs the gradients of a backward pass.
 
-With one inter-op thread, the gradients run one at a time, from the last op to the first.
+With one inter-op thread, the gradients run one at a time, from the last op to the first,
+and an op's kernels from its last to its first: the executor runs the last kernel made ready
+inline and queues the others (a matrix product's weight gradient before its data gradient).
 With more, every gradient kernel whose incoming gradients are complete is ready: a thread
 that finishes one goes on with a kernel that one made ready (the executor runs the last of
 them inline), and the others queue for the next free thread. So the gradients of independent
@@ -54,7 +56,7 @@ def backward_events(
         return [
             (op, index, starts)
             for op in reversed(ops)
-            for index in range(len(kernels[op]))
+            for index in reversed(range(len(kernels[op])))
             for starts in (True, False)
         ]
     waiting = dict.fromkeys(ops, 0)

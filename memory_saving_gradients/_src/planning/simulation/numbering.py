@@ -38,6 +38,8 @@ class Numbering:
         `gradient_kernels` makes.
       gradient_reads: the ids each op's gradient reads (`costs.OpCost`), each once, by
         position.
+      kernel_reads: for each op of more than one of `gradient_kernels`, the ids of its
+        tensors each kernel reads (`gradient_uses.GradientUse.reads`); empty for the others.
       gradient_parts: for each id, how many ops' gradients make a part of its gradient.
     """
 
@@ -52,6 +54,7 @@ class Numbering:
     gradient_kernels: tuple[tuple[executor.Kernel, ...], ...]
     kernel_inputs: tuple[tuple[tuple[int, ...], ...], ...]
     gradient_reads: tuple[tuple[int, ...], ...]
+    kernel_reads: tuple[tuple[frozenset[int], ...], ...]
     gradient_parts: tuple[int, ...]
 
     @classmethod
@@ -87,7 +90,7 @@ class Numbering:
         maker = {t: position for position, ts in enumerate(outputs) for t in ts}
         receives_gradient = tuple(i in maker or i in xs for i in range(len(tensors)))
         readers, parts = [0] * len(tensors), [0] * len(tensors)
-        gradient_reads, kernels, kernel_inputs = [], [], []
+        gradient_reads, kernels, kernel_inputs, kernel_reads = [], [], [], []
         for op, ins, outs in zip(view.ops, inputs, outputs, strict=True):
             cost = view.costs[op]
             wanted = [
@@ -97,6 +100,15 @@ class Numbering:
             if len(groups) < 2:
                 groups = (tuple(i for i, want in enumerate(wanted) if want),)
             kernel_inputs.append(groups)
+            kernel_reads.append(
+                tuple(
+                    frozenset(ins[j] for i in group for j in cost.gradient.reads[i][0])
+                    | frozenset(outs[j] for i in group for j in cost.gradient.reads[i][1])
+                    for group in groups
+                )
+                if len(groups) > 1 and cost.gradient is not None
+                else ()
+            )
             kernels.append(
                 tuple(
                     executor.Kernel(
@@ -123,6 +135,7 @@ class Numbering:
             gradient_kernels=tuple(kernels),
             kernel_inputs=tuple(kernel_inputs),
             gradient_reads=tuple(gradient_reads),
+            kernel_reads=tuple(kernel_reads),
             gradient_parts=tuple(parts),
         )
 

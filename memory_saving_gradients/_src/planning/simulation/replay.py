@@ -21,6 +21,9 @@ class GradientRun:
       incoming: the gradients of its outputs (None where one gets none).
       spent: what it lets go when its last kernel finishes: what it read for the last time
         and the gradients it received.
+      read_by: what it read for the last time that only some of its kernels read, each with
+        those of them not finished yet: let go as the last of them finishes (a matrix
+        product's input, once the weight gradient reading it has run).
       kernels_left: its kernels not finished yet.
       dying: the ids of the buffers it reads for the last time, which a step may write into.
       wanted: for each input, whether it makes that input's gradient (none where no gradient
@@ -41,6 +44,7 @@ class GradientRun:
     spent: list[Buffer]
     kernels_left: int
     dying: set[int]
+    read_by: list[tuple[Buffer, set[int]]] = dataclasses.field(default_factory=list)
     wanted: list[bool] = dataclasses.field(default_factory=list)
     value: dict[int, Buffer] = dataclasses.field(default_factory=dict)
     readers: dict[int, int] = dataclasses.field(default_factory=dict)

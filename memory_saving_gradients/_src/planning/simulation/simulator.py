@@ -232,14 +232,14 @@ class Simulator:
         """Differentiate `ops` as the executor's threads run their gradients' kernels
         (`_backward_events`; one thread: from last to first): the copies at level `chain[0]`
         of those `recomputed`, the ops of the levels copied from otherwise. A kernel
-        allocates what it makes when it starts; an op's gradient lets go of what it read when
-        its last kernel finishes. What a gradient reads is released after the last gradient
-        reading it finishes: a copy's own outputs and `inherited` inputs, and what an op not
-        recomputed here reads (held for that in `forward`); a copy's other inputs are the
-        step's to release. A gradient part arrives as the kernel making it finishes. The
-        parts a tensor receives from `ops` are summed once the last of them has arrived (one
-        gradient call sums its own parts), and all its parts once none is to come from
-        anywhere."""
+        allocates what it makes when it starts; an op's gradient lets go of what it read as
+        the last of its kernels reading it finishes. What a gradient reads is released after
+        the last gradient reading it finishes: a copy's own outputs and `inherited` inputs,
+        and what an op not recomputed here reads (held for that in `forward`); a copy's other
+        inputs are the step's to release. A gradient part arrives as the kernel making it
+        finishes. The parts a tensor receives from `ops` are summed once the last of them has
+        arrived (one gradient call sums its own parts), and all its parts once none is to come
+        from anywhere."""
         ledger = self.ledger
         at_level, outer, recomputed = ledger.levels[chain[0]], chain[1:], set(recomputed)
         events = self._backward_events(ops)
@@ -269,7 +269,7 @@ class Simulator:
                         read[t] = buffer
                         released_here = here or not copy or t in inherited
                         if last_reader[t] == op and released_here and buffer is not None:
-                            done.append(buffer)
+                            done.append(t)
                     running[op] = self._start_gradient(op, read, done)
                 self._run_kernel(running[op], kernel)
                 continue
@@ -283,6 +283,11 @@ class Simulator:
                 elif pending[t] == 0 and len(parts) > before[t] + 1:
                     parts[before[t] :] = [self._sum(parts[before[t] :])]
             gradient.kernels_left -= 1
+            for buffer, kernels_reading in gradient.read_by:
+                kernels_reading.discard(kernel)
+                if not kernels_reading:
+                    ledger.release(buffer)
+            gradient.read_by = [entry for entry in gradient.read_by if entry[1]]
             if not gradient.kernels_left:
                 del running[op]
                 for buffer in gradient.spent:
@@ -298,18 +303,27 @@ class Simulator:
         return executor.backward_events(ops, self.ids.gradient_kernels, self.threads)
 
     def _start_gradient(
-        self, op: int, read: dict[int, Buffer | None], dying: list[Buffer]
+        self, op: int, read: dict[int, Buffer | None], dying: list[int]
     ) -> GradientRun:
         """Begin `op`'s gradient as its first kernel starts: take the gradients of its
-        outputs, and the buffers of what it reads (`read`), of which `dying` are read for the
-        last time."""
+        outputs, and the buffers of what it reads (`read`), of which the tensors `dying` are
+        read for the last time: each let go as the last kernel reading it finishes."""
         incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
+        kernel_reads = self.ids.kernel_reads[op]
+        spent, read_by = [b for b in incoming if b is not None], []
+        for t in dying:
+            kernels_reading = {k for k, reads in enumerate(kernel_reads) if t in reads}
+            if 0 < len(kernels_reading) < len(kernel_reads):
+                read_by.append((read[t], kernels_reading))
+            else:
+                spent.append(read[t])
         gradient = GradientRun(
             op=op,
             incoming=incoming,
-            spent=dying + [b for b in incoming if b is not None],
+            spent=spent,
             kernels_left=len(self.ids.gradient_kernels[op]),
-            dying={id(b) for b in dying},
+            dying={id(read[t]) for t in dying},
+            read_by=read_by,
         )
         if all(b is None for b in incoming):
             return gradient  # no gradient arrives: its kernels make nothing
