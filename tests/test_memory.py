@@ -762,12 +762,15 @@ def test_a_keras_models_name_decides_what_its_plain_step_holds_and_the_predictio
     14.5-16.25 MiB, "zeta" 12.5-13.5, predicted 15.0 and 11.0 (11.0 for both before); under
     mixed_float16 (softmax in float32), 14.25-16.5 and 11.5-13.0, predicted 15.2 and 11.2
     (the least of three steps read 12.75 for "alpha" once, on a machine busy with more). The
-    rewrite's own plain gradients keep the products in order, whatever the name."""
+    rewrite's own plain gradients keep the products in order, whatever the name, and take
+    each softmax gradient's sums in slices (NOTE [softmax gradient in slices]): predicted
+    below `tf.gradients` by both softmax products, and by a softmax's third tensor where
+    the peak is in its gradient ("alpha")."""
     out = run_python("-c", _KERAS_ATTENTION_PLAIN_PEAKS, policy, "alpha", "zeta")
     alpha, zeta = json.loads(out.strip().splitlines()[-1])
     assert (alpha[3], zeta[3]) == (2, 0)
     softmax = 8 * 4 * 128 * 128 * 4
-    assert alpha[1] - alpha[2] == 2 * softmax
-    assert zeta[1] == zeta[2] == alpha[2]
+    assert alpha[1] - alpha[2] >= 2 * softmax, alpha
+    assert zeta[1] >= zeta[2] == alpha[2], (alpha, zeta)
     assert alpha[0] > zeta[0], (alpha, zeta)
     assert abs(alpha[1] / alpha[0] - 1) <= 0.15, alpha

@@ -1,9 +1,9 @@
 """TF1 programs on TensorFlow 2: tests/tf1_programs.py and a slice of the suite (gradient
 parity on raw-TensorFlow models, patching, memory bounds, control flow, errors, devices,
-selective recomputation, every tf.gradients option), run in a fresh interpreter under
-`tf.compat.v1.disable_v2_behavior()` (tests/conftest.py, MSG_TF1_BEHAVIOUR). Tests needing
-eager execution or Keras 3 are marked `tf2_only` and skipped there; everything else must pass
-as it does under TF2 behaviour.
+selective recomputation, every tf.gradients option, the library's own gradient functions),
+run in a fresh interpreter under `tf.compat.v1.disable_v2_behavior()` (tests/conftest.py,
+MSG_TF1_BEHAVIOUR). Tests needing eager execution or Keras 3 are marked `tf2_only` and
+skipped there; everything else must pass as it does under TF2 behaviour.
 """
 
 import re
@@ -22,6 +22,7 @@ SLICE = (
     "tests/test_dtypes_devices.py",
     "tests/test_selective.py",
     "tests/test_gradient_options.py",
+    "tests/test_gradient_functions.py",
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
@@ -327,21 +328,18 @@ CONTROL_FLOW_TYPES = frozenset(
 )
 
 
-def gradient_aside(op: tf.Operation) -> GradientAside | None:
-    """`op`'s registered gradient built in a function body of its own, to see what it reads and
-    makes; None where that cannot be done without side effects (function calls and control
-    flow rewrite their forward op, custom gradients), or `op` has no gradient."""
-    if (
-        op._gradient_function is not None
-        or is_function_call(op)
-        or op.type in CONTROL_FLOW_TYPES
-        or "_gradient_op_type" in op.node_def.attr
-    ):
+def gradient_aside(op: tf.Operation, function: Callable | None = None) -> GradientAside | None:
+    """`op`'s registered gradient, or `function` in its place, built in a function body of its
+    own, to see what it reads and makes; None where that cannot be done without side effects
+    (function calls and control flow rewrite their forward op, custom gradients), or `op` has
+    no gradient."""
+    if has_own_gradient(op) or is_function_call(op) or op.type in CONTROL_FLOW_TYPES:
         return None
-    try:
-        function = tf_ops._gradient_registry.lookup(op.type)
-    except LookupError:
-        return None
+    if function is None:
+        try:
+            function = tf_ops._gradient_registry.lookup(op.type)
+        except LookupError:
+            return None
     if function is None:
         return None
     body = func_graph.FuncGraph("gradient_aside")
@@ -358,6 +356,12 @@ def gradient_aside(op: tf.Operation) -> GradientAside | None:
     gradients = list(gradients) if isinstance(gradients, (list, tuple)) else [gradients]
     read = {id(outer): inner for outer, inner in body.captures}
     return GradientAside(body, output_gradients, gradients, read)
+
+
+def has_own_gradient(op: tf.Operation) -> bool:
+    """Whether `op` is differentiated by a function of its own rather than its type's
+    registered one (`tf.custom_gradient`, `gradient_override_map`, the rewrite's pass-throughs)."""
+    return op._gradient_function is not None or "_gradient_op_type" in op.node_def.attr
 
 
 def is_differentiable(tensor: tf.Tensor) -> bool:
@@ -445,16 +449,25 @@ def tensorflow_gradients(
     stop_gradients: Sequence[tf.Tensor],
     boundaries: Sequence[tf.Tensor] = (),
     unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+    replacing: Callable[[tf.Operation], Callable | None] | None = None,
+    replaced_types: frozenset[str] = frozenset(),
 ) -> list:
     """TensorFlow's own `tf.gradients`, reached even while `tf.gradients` is patched.
 
     Backprop also stops at `boundaries`: they receive gradients, their producers pass none
-    on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below).
+    on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below). Ops of
+    `replaced_types` are differentiated by `replacing(op)` where it gives a function, for
+    this call only: the graph's ops keep their own.
     """
     graph = tf.compat.v1.get_default_graph()
     calls = [op for op in dict.fromkeys(t.op for t in boundaries) if is_function_call(op)]
     stops = [*stop_gradients, *(t for t in boundaries if t.op not in calls)]
-    with graph._mutation_lock(), _passing_no_gradient(calls):
+    functions = {op: _no_gradient for op in calls}
+    if replacing is not None:
+        for op in ops_of_types(graph, replaced_types):
+            if op not in functions and (function := replacing(op)) is not None:
+                functions[op] = function
+    with graph._mutation_lock(), _differentiated_by(functions):
         return gradients_util._GradientsHelper(
             ys,
             xs,
@@ -475,15 +488,35 @@ def tensorflow_gradients(
 # a call op would be crossed twice: twice the gradient. Such an op is given a gradient
 # function that passes nothing on while TensorFlow differentiates, which stops backprop there.
 @contextlib.contextmanager
-def _passing_no_gradient(ops: Sequence[tf.Operation]) -> Iterator[None]:
-    saved = [(op, op._gradient_function) for op in ops]
-    for op in ops:
-        op._gradient_function = _no_gradient
+def _differentiated_by(functions: dict[tf.Operation, Callable]) -> Iterator[None]:
+    """Each op of `functions` differentiated by its function while in this context."""
+    saved = [(op, op._gradient_function) for op in functions]
+    for op, function in functions.items():
+        op._gradient_function = function
     try:
         yield
     finally:
         for op, function in saved:
             op._gradient_function = function
+
+
+#: For each graph, how many of its ops were indexed, and those ops by type.
+_OPS_BY_TYPE: weakref.WeakKeyDictionary[tf.Graph, tuple[int, dict[str, list[tf.Operation]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def ops_of_types(graph: tf.Graph, types: frozenset[str]) -> list[tf.Operation]:
+    """The ops of `graph` of `types`, in the order they were made; ops made since the last
+    call are indexed once (graphs only grow)."""
+    if not types:
+        return []
+    operations = graph.get_operations()
+    indexed, by_type = _OPS_BY_TYPE.get(graph, (0, {}))
+    for op in operations[indexed:]:
+        by_type.setdefault(op.type, []).append(op)
+    _OPS_BY_TYPE[graph] = (len(operations), by_type)
+    return [op for kind in sorted(types) for op in by_type.get(kind, [])]
 
 
 def _no_gradient(op: tf.Operation, *output_gradients) -> list[None]:

@@ -19,7 +19,13 @@ import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
-from memory_saving_gradients._src.analysis import gradient_uses, kernels, measured, queries
+from memory_saving_gradients._src.analysis import (
+    gradient_functions,
+    gradient_uses,
+    kernels,
+    measured,
+    queries,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +36,12 @@ class OpCost:
       output_bytes: bytes each output allocates (0 for aliases and resident values).
       saved_inputs, saved_outputs: indices of the inputs and outputs its gradient reads.
       needed: for each input, whether backprop computes its gradient.
-      gradient: what its registered gradient function reads and makes, step by step; None
-        where unknown (function calls, control flow, custom gradients): such a gradient is
-        taken to read every input and output and to make new input gradients.
+      gradient: what the gradient function the library's backprop uses reads and makes,
+        step by step; None where unknown (function calls, control flow, custom gradients):
+        such a gradient is taken to read every input and output and to make new input
+        gradients.
+      tensorflow_gradient: what TensorFlow's registered gradient function reads and makes,
+        where backprop uses one of its own instead (`gradient_functions`); None elsewhere.
       reuses_input: whether its output may take over an input buffer nothing else needs.
       aliases: its outputs are its first input's buffer (reshapes, identities).
       working: bytes its kernel holds for itself while it runs (`working_bytes`, or
@@ -52,6 +61,7 @@ class OpCost:
     saved_outputs: tuple[int, ...]
     needed: tuple[bool, ...]
     gradient: gradient_uses.GradientUse | None
+    tensorflow_gradient: gradient_uses.GradientUse | None
     reuses_input: bool
     aliases: bool
     working: int
@@ -78,6 +88,7 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
     for which `needs_gradient` holds keeps and allocates."""
     needed = needed_inputs(op, needs_gradient)
     use = gradient_uses.gradient_use(op)
+    replaced = gradient_functions.replacing(op) is not None
     free = op.type in kernels.ALIASING or op.type in kernels.RESIDENT
     if use is None:
         saved_inputs, saved_outputs = list(range(len(op.inputs))), list(range(len(op.outputs)))
@@ -92,6 +103,7 @@ def op_cost(op: tf.Operation, needs_gradient: Callable[[tf.Tensor], bool]) -> Op
         saved_outputs=tuple(saved_outputs),
         needed=tuple(needed),
         gradient=use,
+        tensorflow_gradient=gradient_uses.gradient_use(op, registered=True) if replaced else None,
         reuses_input=op.type in kernels.REUSES_INPUT_BUFFER,
         aliases=op.type in kernels.ALIASING,
         working=_working_bytes(op, output_bytes),

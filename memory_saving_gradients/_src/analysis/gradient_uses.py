@@ -1,6 +1,7 @@
-"""What an op's registered gradient function reads and makes, step by step.
+"""What an op's gradient function reads and makes, step by step.
 
-TensorFlow's gradient function for each kind of op is built once aside (`_tf.gradient_aside`),
+The gradient function for each kind of op (TensorFlow's registered one, or the library's own
+where it has one: `gradient_functions`) is built once aside (`_tf.gradient_aside`),
 on placeholders standing for the op's tensors and its output gradients. Its ops computed at
 run time are the steps the executor runs: what each reads, makes and holds, and which steps
 each input's gradient needs, so the simulator can replay them kernel by kernel and the cost
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
-from memory_saving_gradients._src.analysis import kernels, queries
+from memory_saving_gradients._src.analysis import gradient_functions, kernels, queries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +109,14 @@ _GRADIENT_USES: dict[tuple, GradientUse | None] = {}
 KINDS_KEPT = 4096
 
 
-def gradient_use(op: tf.Operation) -> GradientUse | None:
-    """What `op`'s registered gradient reads and makes (None where unknown), found once for
-    each kind of op: type, attributes, input dtypes and shapes, which inputs are one tensor
-    (`x * x` reads one placeholder for both), and whether it runs on CPU kernels."""
+def gradient_use(op: tf.Operation, registered: bool = False) -> GradientUse | None:
+    """What the gradient the library's backprop builds for `op` reads and makes (its own
+    function where it has one, `gradient_functions.replacing`), or, `registered`, what
+    TensorFlow's registered gradient does (as `tf.gradients` builds it); None where unknown.
+    Found once for each kind of op: type, attributes, input dtypes and shapes, which inputs
+    are one tensor (`x * x` reads one placeholder for both), whether it runs on CPU kernels,
+    and which function differentiates it."""
+    function = None if registered else gradient_functions.replacing(op)
     attrs = op.node_def.attr  # the NodeDef is serialized on each access
     cpu = kernels.runs_cpu_kernels(op)
     inputs = list(op.inputs)
@@ -121,11 +126,12 @@ def gradient_use(op: tf.Operation) -> GradientUse | None:
         tuple((t.dtype, queries.static_shape(t)) for t in inputs),
         tuple(next(j for j, u in enumerate(inputs) if u is t) for t in inputs),
         cpu,
+        function,
     )
     if key not in _GRADIENT_USES:
         if len(_GRADIENT_USES) >= KINDS_KEPT:
             del _GRADIENT_USES[next(iter(_GRADIENT_USES))]
-        aside = _tf.gradient_aside(op)
+        aside = _tf.gradient_aside(op, function)
         _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu)
     return _GRADIENT_USES[key]
 

@@ -38,7 +38,7 @@ class Plan:
       fallback_peak_bytes: the same for the plain gradients `gradients` computes where the
         plan does not pay (`pays`): below `plain_peak_bytes` where TensorFlow's optimizers
         move products of `tf.gradients` into the forward pass, which `gradients` keeps in
-        their order.
+        their order, and where its own gradient functions hold less (`gradient_functions`).
       step_peak_bytes: the predicted peak of the step `gradients` builds with this plan:
         `peak_bytes` where it pays, else `fallback_peak_bytes`.
       recompute_flops_fraction: the forward compute backprop repeats, over the forward
@@ -117,9 +117,12 @@ class Plan:
 
     @functools.cached_property
     def fallback_peak_bytes(self) -> int:
-        if not execution_of(self._view).products_ahead:
+        view = self._view
+        if not execution_of(view).products_ahead and all(
+            view.costs[op].tensorflow_gradient is None for op in view.ops
+        ):
             return self.plain_peak_bytes
-        return simulation.plain_peak(self._view, products_in_order=True)
+        return simulation.plain_peak(self._view, as_rewritten=True)
 
     @property
     def step_peak_bytes(self) -> int:

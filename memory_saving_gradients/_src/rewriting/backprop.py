@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
+from memory_saving_gradients._src.analysis import gradient_functions
 from memory_saving_gradients._src.analysis.arguments import Gradient
 from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
@@ -167,6 +168,8 @@ class _Backprop:
             aggregation_method=self.options.aggregation_method,
             stop_gradients=[*user_stops, *copied_stops],
             boundaries=[target.tensor for target in targets if target.stops],
+            replacing=gradient_functions.replacing,
+            replaced_types=gradient_functions.REPLACED_TYPES,
         )
         made = graph.get_operations()[first_new:]
         self._read_recomputed(made, copies)
@@ -500,6 +503,8 @@ def plain_gradients(
         aggregation_method=options.aggregation_method,
         stop_gradients=list(options.stop_gradients),
         unconnected_gradients=unconnected_gradients,
+        replacing=gradient_functions.replacing,
+        replaced_types=gradient_functions.REPLACED_TYPES,
     )
     ordering.products_kept_in_order(graph.get_operations()[first_new:], _flat(grad_ys or []))
     return gradients

@@ -22,24 +22,30 @@ def _add(uses: dict[int, int], more: Iterable[int]) -> dict[int, int]:
     return uses
 
 
-#: `plain_peak` of each view, by `products_in_order`: a search plans one view many times, and
+#: `plain_peak` of each view, by `as_rewritten`: a search plans one view many times, and
 #: what the simulation reads of a view (its costs, its numbering) is fixed once read.
 _PLAIN_PEAKS: weakref.WeakKeyDictionary[ForwardView, dict[bool, int]] = weakref.WeakKeyDictionary()
 
 
-def plain_peak(view: ForwardView, products_in_order: bool = False) -> int:
+def plain_peak(view: ForwardView, as_rewritten: bool = False) -> int:
     """Simulated peak bytes of backprop that keeps every activation its gradients read, as
-    `tf.gradients` runs it, or, `products_in_order`, as the rewrite runs it where a plan does
-    not pay: TensorFlow's optimizers do not move its products into the forward pass
-    (`Execution.products_ahead`)."""
+    `tf.gradients` runs it, or, `as_rewritten`, as the rewrite runs it where a plan does not
+    pay: TensorFlow's optimizers do not move its products into the forward pass
+    (`Execution.products_ahead`), and its gradient functions are the library's where it has
+    its own (`gradient_functions`)."""
     known = _PLAIN_PEAKS.setdefault(view, {})
-    if products_in_order not in known:
-        known[products_in_order] = _plain(view, products_in_order)
-    return known[products_in_order]
+    if as_rewritten not in known:
+        known[as_rewritten] = _plain(view, as_rewritten)
+    return known[as_rewritten]
 
 
-def _plain(view: ForwardView, products_in_order: bool) -> int:
-    run = Simulator(view, updates_copy=True, products_ahead=not products_in_order)
+def _plain(view: ForwardView, as_rewritten: bool) -> int:
+    run = Simulator(
+        view,
+        updates_copy=True,
+        products_ahead=not as_rewritten,
+        registered_gradients=not as_rewritten,
+    )
     ops = list(range(len(view.ops)))
     run.made_outside()
     run.forward(run.forward_order(), (ORIGINAL,), _add(run.uses(ops), run.tensor_ids(view.ys)))

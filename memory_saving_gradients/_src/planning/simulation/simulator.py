@@ -6,6 +6,7 @@ gradients applied (the model: the package's docstring).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
@@ -34,6 +35,7 @@ class Simulator:
         updates_copy: bool = False,
         products_ahead: bool = False,
         limit: float = math.inf,
+        registered_gradients: bool = False,
     ) -> None:
         self.view = view
         self.execution = execution_of(view)
@@ -53,8 +55,14 @@ class Simulator:
         )
         self.ahead: dict[int, Buffer] = {}
         self.ids = Numbering.of(view)
-        #: The cost of each op, by position.
-        self.cost = [view.costs[op] for op in view.ops]
+        #: The cost of each op, by position: with TensorFlow's registered gradients where
+        #: `registered_gradients` (plain `tf.gradients`), else the library's backprop's own.
+        self.cost = [
+            dataclasses.replace(cost, gradient=cost.tensorflow_gradient)
+            if registered_gradients and cost.tensorflow_gradient is not None
+            else cost
+            for cost in (view.costs[op] for op in view.ops)
+        ]
         #: What each op's gradient reads, by position.
         self.read = self.ids.gradient_reads
         #: `replay.needed_steps` of each gradient use and wanted inputs met so far, by the use's id
