@@ -201,3 +201,24 @@ def test_sliced_sums_hold_less_than_tensorflows_gradient_and_are_predicted():
     assert not peaks["pays"]
     assert peaks["tf.gradients"] - peaks["msg.gradients"] >= 0.75 * softmax, peaks
     assert abs(peaks["predicted msg.gradients"] / peaks["msg.gradients"] - 1) <= 0.15, peaks
+
+
+@pytest.mark.parametrize(
+    "shape, shared", [((8, 4, 128, 128), 8), ((8, 4, 100, 100), 8), ((3, 1, 301, 301), 7)]
+)
+def test_the_cost_model_sees_which_slices_share_the_softmaxs_buffer(shape, shared):
+    """Slices start at multiples of 32 rows, which a one-dimensional slice shares where both
+    its ends lie on 64 bytes: every slice of both tensors, unless the whole softmax's size
+    is not a multiple of 16 elements, where the last one is a copy."""
+    from memory_saving_gradients._src.analysis import gradient_uses
+
+    graph = tf.Graph()
+    with graph.as_default():
+        softmax = tf.nn.softmax(tf.zeros(shape))
+    use = gradient_uses.gradient_use(softmax.op)
+    registered = gradient_uses.gradient_use(softmax.op, registered=True)
+    assert use is not registered
+    assert not any(step.kind == "StridedSlice" for step in registered.steps)
+    slices = [step for step in use.steps if step.kind == "StridedSlice"]
+    assert len(slices) == 2 * gradient_functions.SOFTMAX_SLICES
+    assert sum(step.aliases for step in slices) == 2 * shared, [s.aliases for s in slices]

@@ -396,12 +396,17 @@ def softmaxes_multiplied_ahead(run) -> list[str]:
 
 def scaled_attention_peaks(
     checkpoints: str | None, threads: int, scope: str = "block"
-) -> tuple[int, int, list[str]]:
-    """Measured (least of three steps, on `threads` inter-op threads) and predicted peak of
-    `scaled_attention_step(checkpoints, scope)`, and its products run ahead."""
+) -> tuple[int, int, int, list[str]]:
+    """Measured (least of three steps, on `threads` inter-op threads), requested (the largest
+    sum of the bytes its live tensors asked for, profiled: the allocator's peak adds its
+    rounding) and predicted peak of `scaled_attention_step(checkpoints, scope)`, and its
+    products run ahead."""
+    from memory_saving_gradients.cli.suites import trace
+
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     step, predicted, ahead = scaled_attention_step(checkpoints, scope)
-    return min(peak_memory(step) for _ in range(3)), predicted, ahead
+    measured = min(peak_memory(step) for _ in range(3))
+    return measured, trace.profiled(step).requested_peak, predicted, ahead
 
 
 _SCALED_ATTENTION_PEAKS = """
@@ -425,13 +430,17 @@ def test_tensorflow_multiplies_a_softmax_by_its_scale_ahead_of_backprop():
 def test_a_scaled_softmax_is_not_multiplied_ahead_and_its_steps_are_as_predicted(checkpoints):
     """No product of a softmax and its scale runs ahead of backprop (it held one more
     attention matrix per block: 'speed', which falls back to plain backprop here, measured
-    23.75 MiB where 16.0 were predicted; 17.5 now), and a nested step waits for the gradient
+    23.75 MiB where 16.0 were predicted; 17.5 before the softmax's gradient was sliced; now
+    16.0 measured, 14.5 requested, 14.3 predicted), and a nested step waits for the gradient
     reading its outer copy of the softmax before recomputing it ('memory': 10.25 MiB where
-    7.5 were predicted; 8.5 now). One inter-op thread, whose executor ran that step first."""
+    7.5 were predicted; 8.5; now 7.5 measured, 6.25 requested, 6.0 predicted: the allocator
+    hands 2 MiB requests blocks of up to twice that). One inter-op thread, whose executor ran
+    that step first."""
     out = run_python("-c", _SCALED_ATTENTION_PEAKS, json.dumps([checkpoints, 1]))
-    measured, predicted, ahead = json.loads(out.strip().splitlines()[-1])
+    measured, requested, predicted, ahead = json.loads(out.strip().splitlines()[-1])
     assert not ahead
-    assert measured <= 1.2 * predicted, (measured, predicted)
+    assert requested <= 1.1 * predicted, (requested, predicted)
+    assert measured <= 1.3 * predicted, (measured, predicted)
 
 
 @pytest.mark.tf2_only
@@ -444,7 +453,7 @@ def test_plain_backprops_products_moved_ahead_are_predicted(scope, products_ahea
     the optimizers multiply the gradient by the scale first, and nothing is held: 16.0
     predicted, 17.75 measured."""
     out = run_python("-c", _SCALED_ATTENTION_PEAKS, json.dumps([None, 2, scope]))
-    measured, predicted, ahead = json.loads(out.strip().splitlines()[-1])
+    measured, _, predicted, ahead = json.loads(out.strip().splitlines()[-1])
     assert len(ahead) == products_ahead, ahead
     assert abs(predicted / measured - 1) <= 0.15, (measured, predicted)
 

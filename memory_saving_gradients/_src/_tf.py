@@ -500,8 +500,9 @@ def _differentiated_by(functions: dict[tf.Operation, Callable]) -> Iterator[None
             op._gradient_function = function
 
 
-#: For each graph, how many of its ops were indexed, and those ops by type.
-_OPS_BY_TYPE: weakref.WeakKeyDictionary[tf.Graph, tuple[int, dict[str, list[tf.Operation]]]] = (
+#: For each graph, how many of its ops were indexed, and their names by type (names, not ops:
+#: an op holds its graph, which would never be freed).
+_NAMES_BY_TYPE: weakref.WeakKeyDictionary[tf.Graph, tuple[int, dict[str, list[str]]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -512,11 +513,15 @@ def ops_of_types(graph: tf.Graph, types: frozenset[str]) -> list[tf.Operation]:
     if not types:
         return []
     operations = graph.get_operations()
-    indexed, by_type = _OPS_BY_TYPE.get(graph, (0, {}))
+    indexed, by_type = _NAMES_BY_TYPE.get(graph, (0, {}))
     for op in operations[indexed:]:
-        by_type.setdefault(op.type, []).append(op)
-    _OPS_BY_TYPE[graph] = (len(operations), by_type)
-    return [op for kind in sorted(types) for op in by_type.get(kind, [])]
+        by_type.setdefault(op.type, []).append(op.name)
+    _NAMES_BY_TYPE[graph] = (len(operations), by_type)
+    return [
+        graph.get_operation_by_name(name)
+        for kind in sorted(types)
+        for name in by_type.get(kind, [])
+    ]
 
 
 def _no_gradient(op: tf.Operation, *output_gradients) -> list[None]:

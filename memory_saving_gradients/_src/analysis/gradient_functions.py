@@ -57,14 +57,20 @@ def replacing(op: tf.Operation) -> GradientFunction | None:
 
 def softmax_gradient(op: tf.Operation, gradient: tf.Tensor) -> tf.Tensor:
     """TensorFlow's softmax gradient, its row sums taken in slices (NOTE [softmax gradient in
-    slices])."""
+    slices]). Where the softmax's shape is static the slices' bounds are too, so their
+    shapes are known to the cost model."""
     softmax = op.outputs[0]
-    shape = tf.shape(softmax)
-    depth = shape[-1]
+    static = softmax.shape
+    if static.is_fully_defined() and static.rank:
+        depth, rows = static[-1], static.num_elements() // max(static[-1], 1)
+        summed_shape: tf.Tensor | list[int] = [*static[:-1], 1]
+    else:
+        shape = tf.shape(softmax)
+        depth, rows = shape[-1], tf.size(softmax) // shape[-1]
+        summed_shape = tf.concat([shape[:-1], [1]], 0)
     with tf.control_dependencies([gradient]):
         flat_softmax = tf.reshape(softmax, [-1])
     flat_gradient = tf.reshape(gradient, [-1])
-    rows = tf.size(softmax) // depth
     bounds = [
         *(
             (rows * i // SOFTMAX_SLICES) // _ALIGNED_ROWS * _ALIGNED_ROWS
@@ -72,6 +78,8 @@ def softmax_gradient(op: tf.Operation, gradient: tf.Tensor) -> tf.Tensor:
         ),
         rows,
     ]
+    if isinstance(rows, int):
+        bounds = list(dict.fromkeys(bounds))  # no empty slices where there are few rows
     sums = [
         tf.reduce_sum(
             tf.reshape(
@@ -83,5 +91,5 @@ def softmax_gradient(op: tf.Operation, gradient: tf.Tensor) -> tf.Tensor:
         )
         for start, end in itertools.pairwise(bounds)
     ]
-    summed = tf.reshape(tf.concat(sums, 0), tf.concat([shape[:-1], [1]], 0))
+    summed = tf.reshape(tf.concat(sums, 0), summed_shape)
     return (gradient - summed) * softmax

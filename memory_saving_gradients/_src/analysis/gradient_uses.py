@@ -161,7 +161,8 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
                 outputs=tuple(id(t) for t in body_op.outputs),
                 sizes=sizes,
                 reads=tuple(id(t) for t in body_op.inputs if id(t) in runtime),
-                aliases=body_op.type in kernels.ALIASING,
+                aliases=body_op.type in kernels.ALIASING
+                or kernels.slices_its_input_buffer(body_op),
                 folded=body_op.type in kernels.SHAPE_OF
                 and all(t.shape.is_fully_defined() for t in body_op.inputs),
                 reuses_input=body_op.type in kernels.REUSES_INPUT_BUFFER,

@@ -39,6 +39,34 @@ REUSES_INPUT_BUFFER = frozenset(
 ALIASING = frozenset(
     {"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"}
 )
+#: The alignment TensorFlow's kernels require of a buffer they share (`EIGEN_MAX_ALIGN_BYTES`
+#: of builds for AVX-512; a multiple of other builds').
+ALIGNMENT_BYTES = 64
+
+
+def slices_its_input_buffer(op: tf.Operation) -> bool:
+    """Whether `op` is a strided slice whose kernel shares its input's buffer rather than
+    copying: a contiguous range of a one-dimensional tensor, both of whose ends lie on the
+    alignment (TensorFlow's `IsDim0SliceAligned`), by static bounds."""
+    if op.type != "StridedSlice" or op.inputs[0].shape.rank != 1:
+        return False
+    if any(op.get_attr(mask) for mask in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+        return False
+    begin, end, strides = (tf.get_static_value(t) for t in op.inputs[1:4])
+    size = op.inputs[0].shape[0]
+    if begin is None or end is None or strides is None or list(strides) != [1] or size is None:
+        return False
+    start = 0 if op.get_attr("begin_mask") & 1 else _clamped_index(int(begin[0]), size)
+    stop = size if op.get_attr("end_mask") & 1 else _clamped_index(int(end[0]), size)
+    itemsize = op.inputs[0].dtype.size
+    return (start * itemsize) % ALIGNMENT_BYTES == 0 and (stop * itemsize) % ALIGNMENT_BYTES == 0
+
+
+def _clamped_index(index: int, size: int) -> int:
+    """A slice bound as Python reads it: counted from the end where negative, within 0..size."""
+    return min(max(index + size if index < 0 else index, 0), size)
+
+
 #: Ops whose outputs are resident before a step runs (variables' buffers, constants).
 RESIDENT = frozenset({"Const", "ReadVariableOp", "VarHandleOp", "Placeholder"})
 
