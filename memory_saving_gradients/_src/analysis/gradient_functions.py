@@ -65,9 +65,10 @@ def softmax_gradient(op: tf.Operation, gradient: tf.Tensor) -> tf.Tensor:
         depth, rows = static[-1], static.num_elements() // max(static[-1], 1)
         summed_shape: tf.Tensor | list[int] = [*static[:-1], 1]
     else:
-        shape = tf.shape(softmax)
-        depth, rows = shape[-1], tf.size(softmax) // shape[-1]
-        summed_shape = tf.concat([shape[:-1], [1]], 0)
+        shape = tf.shape(softmax, out_type=tf.int64)
+        depth = shape[-1]
+        rows = tf.size(softmax, out_type=tf.int64) // tf.maximum(depth, 1)
+        summed_shape = tf.concat([shape[:-1], tf.ones([1], tf.int64)], 0)
     with tf.control_dependencies([gradient]):
         flat_softmax = tf.reshape(softmax, [-1])
     flat_gradient = tf.reshape(gradient, [-1])
