@@ -132,18 +132,56 @@ def test_gradients_are_tensorflows_and_the_graph_keeps_its_functions(checkpoints
     assert found["sliced"]  # the rewrite's gradients took their sums in slices
 
 
-def test_a_tf1_session_gets_tensorflows_values():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"gate_gradients": True}, {"aggregation_method": tf.AggregationMethod.ADD_N}],
+    ids=["default", "gate_gradients", "aggregation_method"],
+)
+def test_a_tf1_session_gets_tensorflows_values(options):
     graph = tf.Graph()
     with graph.as_default():
-        weights, loss = attention_chain(length=128, blocks=2)
+        weights, loss = attention_chain(length=256, blocks=2)
         value = loss()
-        reference = tf.gradients(value, weights)
-        got = msg.gradients(value, weights, checkpoints="speed")
+        reference = tf.gradients(value, weights, **options)
+        got = msg.gradients(value, weights, checkpoints="speed", **options)
         init = tf1.global_variables_initializer()
+    assert any("Softmax_grad/strided_slice" in op.name for op in graph.get_operations())
     with tf1.Session(graph=graph) as session:
         session.run(init)
         expected, computed = session.run([reference, got])
     assert_same_gradients(expected, computed)
+
+
+def test_a_patched_v1_optimizers_minimize_updates_as_tensorflows():
+    """A TF1 program's `GradientDescentOptimizer.minimize`, patched, against unpatched: the
+    same weights after a step, the softmaxes' gradients in slices."""
+
+    def trained(patched: bool) -> tuple[list, list[str]]:
+        graph = tf.Graph()
+        with graph.as_default():
+            weights, loss = attention_chain(length=256, blocks=2)
+            value = loss()
+            optimizer = tf1.train.GradientDescentOptimizer(0.1)
+            if patched:
+                with msg.patched("memory"):
+                    step = optimizer.minimize(value, var_list=weights)
+            else:
+                step = optimizer.minimize(value, var_list=weights)
+            init = tf1.global_variables_initializer()
+            sliced = [
+                op.name
+                for op in graph.get_operations()
+                if op.type == "StridedSlice" and "Softmax_grad" in op.name
+            ]
+        with tf1.Session(graph=graph) as session:
+            session.run(init)
+            session.run(step)
+            return session.run(weights), sliced
+
+    want, unpatched_slices = trained(patched=False)
+    have, patched_slices = trained(patched=True)
+    assert not unpatched_slices and patched_slices
+    assert_same_gradients(want, have)
 
 
 def softmax_backprop_peaks() -> dict[str, float]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Literal, NamedTuple
 
@@ -449,24 +448,19 @@ def tensorflow_gradients(
     stop_gradients: Sequence[tf.Tensor],
     boundaries: Sequence[tf.Tensor] = (),
     unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
-    replacing: Callable[[tf.Operation], Callable | None] | None = None,
-    replaced_types: frozenset[str] = frozenset(),
+    differentiated_by: Mapping[tf.Operation, Callable] | None = None,
 ) -> list:
     """TensorFlow's own `tf.gradients`, reached even while `tf.gradients` is patched.
 
     Backprop also stops at `boundaries`: they receive gradients, their producers pass none
-    on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below). Ops of
-    `replaced_types` are differentiated by `replacing(op)` where it gives a function, for
-    this call only: the graph's ops keep their own.
+    on. Unlike `stop_gradients`, that holds at function-call ops too (NOTE below). The ops
+    of `differentiated_by` are differentiated by the function it gives them, for this call
+    only: the graph's ops keep their own.
     """
     graph = tf.compat.v1.get_default_graph()
     calls = [op for op in dict.fromkeys(t.op for t in boundaries) if is_function_call(op)]
     stops = [*stop_gradients, *(t for t in boundaries if t.op not in calls)]
-    functions = {op: _no_gradient for op in calls}
-    if replacing is not None:
-        for op in ops_of_types(graph, replaced_types):
-            if op not in functions and (function := replacing(op)) is not None:
-                functions[op] = function
+    functions = {**(differentiated_by or {}), **dict.fromkeys(calls, _no_gradient)}
     with graph._mutation_lock(), _differentiated_by(functions):
         return gradients_util._GradientsHelper(
             ys,
@@ -498,30 +492,6 @@ def _differentiated_by(functions: dict[tf.Operation, Callable]) -> Iterator[None
     finally:
         for op, function in saved:
             op._gradient_function = function
-
-
-#: For each graph, how many of its ops were indexed, and their names by type (names, not ops:
-#: an op holds its graph, which would never be freed).
-_NAMES_BY_TYPE: weakref.WeakKeyDictionary[tf.Graph, tuple[int, dict[str, list[str]]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def ops_of_types(graph: tf.Graph, types: frozenset[str]) -> list[tf.Operation]:
-    """The ops of `graph` of `types`, in the order they were made; ops made since the last
-    call are indexed once (graphs only grow)."""
-    if not types:
-        return []
-    operations = graph.get_operations()
-    indexed, by_type = _NAMES_BY_TYPE.get(graph, (0, {}))
-    for op in operations[indexed:]:
-        by_type.setdefault(op.type, []).append(op.name)
-    _NAMES_BY_TYPE[graph] = (len(operations), by_type)
-    return [
-        graph.get_operation_by_name(name)
-        for kind in sorted(types)
-        for name in by_type.get(kind, [])
-    ]
 
 
 def _no_gradient(op: tf.Operation, *output_gradients) -> list[None]:

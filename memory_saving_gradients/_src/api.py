@@ -194,7 +194,7 @@ def _checkpointed(
     if plan is None or not plan.pays:
         _report_kept_for_variable_reads(view, plain=True)
         _log_plain(plan, checkpoints)
-        return plain_gradients(args.ys, unique_xs, args.grad_ys, options)
+        return plain_gradients(args.ys, unique_xs, args.grad_ys, options, view=view)
     _report_kept_for_variable_reads(view, plain=False)
     _log_plan(plan)
     return backprop.checkpointed_gradients(plan.schedule_on(view), args.grad_ys, options)

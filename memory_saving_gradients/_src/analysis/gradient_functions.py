@@ -20,7 +20,7 @@ last product then take over the gradient's buffer, as TensorFlow's do.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import tensorflow as tf
 
@@ -36,8 +36,12 @@ _ALIGNED_ROWS = 32
 SOFTMAX_SLICED_FROM = 1 << 18
 
 GradientFunction = Callable[..., tf.Tensor]
-#: The op types `replacing` may give a function for.
-REPLACED_TYPES = frozenset({"Softmax"})
+
+
+def replaced(ops: Iterable[tf.Operation]) -> dict[tf.Operation, GradientFunction]:
+    """The ops of `ops` that backprop differentiates by a function of the library's, each with
+    that function (`replacing`)."""
+    return {op: function for op in ops if (function := replacing(op)) is not None}
 
 
 def replacing(op: tf.Operation) -> GradientFunction | None:

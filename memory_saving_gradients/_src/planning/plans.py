@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis import costs, kernels, queries
-from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import simulation
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment
@@ -117,11 +116,6 @@ class Plan:
 
     @functools.cached_property
     def fallback_peak_bytes(self) -> int:
-        view = self._view
-        if not execution_of(view).products_ahead and all(
-            view.costs[op].tensorflow_gradient is None for op in view.ops
-        ):
-            return self.plain_peak_bytes
         return simulation.plain_peak(self._view, as_rewritten=True)
 
     @property

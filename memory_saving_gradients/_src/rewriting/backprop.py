@@ -89,6 +89,8 @@ class _Backprop:
         self._unwaited: list[_Part] = []
         #: The gates' outputs passing each tensor (by ref) on: they share its buffer.
         self.passed: dict[object, list[tf.Tensor]] = {}
+        #: The view's ops differentiated by the library's own gradient functions, and theirs.
+        self._replaced = gradient_functions.replaced(view.ops)
 
     def has_gradient(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self._parts
@@ -168,8 +170,10 @@ class _Backprop:
             aggregation_method=self.options.aggregation_method,
             stop_gradients=[*user_stops, *copied_stops],
             boundaries=[target.tensor for target in targets if target.stops],
-            replacing=gradient_functions.replacing,
-            replaced_types=gradient_functions.REPLACED_TYPES,
+            differentiated_by={
+                **self._replaced,
+                **{copies[op]: f for op, f in self._replaced.items() if op in copies},
+            },
         )
         made = graph.get_operations()[first_new:]
         self._read_recomputed(made, copies)
@@ -488,9 +492,12 @@ def plain_gradients(
     grad_ys: Sequence[Gradient | None] | None,
     options: GradientOptions,
     unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+    view: ForwardView | None = None,
 ) -> list[Gradient | None]:
     """What `tf.gradients` gives, nothing recomputed, its products kept in the order it made
-    them (NOTE [products reassociated ahead] in `ordering.py`)."""
+    them (NOTE [products reassociated ahead] in `ordering.py`); where a plan for `view` did
+    not pay, its ops differentiated by the library's own functions where it has them
+    (`gradient_functions`), as the plan's fallback peak predicts."""
     graph = ys[0].graph
     first_new = len(graph.get_operations())
     gradients = _tf.tensorflow_gradients(
@@ -503,8 +510,7 @@ def plain_gradients(
         aggregation_method=options.aggregation_method,
         stop_gradients=list(options.stop_gradients),
         unconnected_gradients=unconnected_gradients,
-        replacing=gradient_functions.replacing,
-        replaced_types=gradient_functions.REPLACED_TYPES,
+        differentiated_by=gradient_functions.replaced(view.ops) if view is not None else None,
     )
     ordering.products_kept_in_order(graph.get_operations()[first_new:], _flat(grad_ys or []))
     return gradients

@@ -9,6 +9,7 @@ import math
 import weakref
 from collections.abc import Iterable, Sequence
 
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment, Step
 from memory_saving_gradients._src.planning.simulation.ledger import ORIGINAL, OverLimit
@@ -35,8 +36,20 @@ def plain_peak(view: ForwardView, as_rewritten: bool = False) -> int:
     its own (`gradient_functions`)."""
     known = _PLAIN_PEAKS.setdefault(view, {})
     if as_rewritten not in known:
-        known[as_rewritten] = _plain(view, as_rewritten)
+        if as_rewritten and not _rewritten_differently(view):
+            known[as_rewritten] = plain_peak(view)
+        else:
+            known[as_rewritten] = _plain(view, as_rewritten)
     return known[as_rewritten]
+
+
+def _rewritten_differently(view: ForwardView) -> bool:
+    """Whether the rewrite's plain backprop runs otherwise than `tf.gradients` on `view`: its
+    products kept in order where TensorFlow's optimizers move them ahead, or gradient
+    functions of the library's own."""
+    return bool(execution_of(view).products_ahead) or any(
+        view.costs[op].tensorflow_gradient is not None for op in view.ops
+    )
 
 
 def _plain(view: ForwardView, as_rewritten: bool) -> int:
