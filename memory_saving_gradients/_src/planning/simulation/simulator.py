@@ -270,14 +270,14 @@ class Simulator:
                 if op not in running:
                     copy = op in recomputed
                     read: dict[int, Buffer | None] = {}
-                    done = []
+                    done: dict[int, Buffer] = {}
                     for t in self.read[op]:
                         here = copy and t in at_level
                         buffer = ledger.buffer(t, chain if here or not copy else outer)
                         read[t] = buffer
                         released_here = here or not copy or t in inherited
                         if last_reader[t] == op and released_here and buffer is not None:
-                            done.append(t)
+                            done[t] = buffer
                     running[op] = self._start_gradient(op, read, done)
                 self._run_kernel(running[op], kernel)
                 continue
@@ -311,26 +311,27 @@ class Simulator:
         return executor.backward_events(ops, self.ids.gradient_kernels, self.threads)
 
     def _start_gradient(
-        self, op: int, read: dict[int, Buffer | None], dying: list[int]
+        self, op: int, read: dict[int, Buffer | None], dying: dict[int, Buffer]
     ) -> GradientRun:
         """Begin `op`'s gradient as its first kernel starts: take the gradients of its
-        outputs, and the buffers of what it reads (`read`), of which the tensors `dying` are
-        read for the last time: each let go as the last kernel reading it finishes."""
+        outputs, and the buffers of what it reads (`read`), of which those `dying`, by
+        tensor, are read for the last time: each let go as the last kernel reading it
+        finishes."""
         incoming = [self._summed_gradient(t) for t in self.ids.outputs[op]]
         kernel_reads = self.ids.kernel_reads[op]
         spent, read_by = [b for b in incoming if b is not None], []
-        for t in dying:
+        for t, held in dying.items():
             kernels_reading = {k for k, reads in enumerate(kernel_reads) if t in reads}
             if 0 < len(kernels_reading) < len(kernel_reads):
-                read_by.append((read[t], kernels_reading))
+                read_by.append((held, kernels_reading))
             else:
-                spent.append(read[t])
+                spent.append(held)
         gradient = GradientRun(
             op=op,
             incoming=incoming,
             spent=spent,
             kernels_left=len(self.ids.gradient_kernels[op]),
-            dying={id(read[t]) for t in dying},
+            dying={id(held) for held in dying.values()},
             read_by=read_by,
         )
         if all(b is None for b in incoming):
