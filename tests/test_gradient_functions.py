@@ -132,6 +132,33 @@ def test_gradients_are_tensorflows_and_the_graph_keeps_its_functions(checkpoints
     assert found["sliced"]  # the rewrite's gradients took their sums in slices
 
 
+@pytest.mark.tf2_only
+def test_a_nested_steps_softmaxes_take_their_sums_in_slices_too():
+    """Nested recomputation differentiates the outer step's copies of a segment first (the
+    inner schedule's last segment): those softmaxes too take the library's gradient, whose
+    full-size product `g * s` no row sum reads, as the plan's peak assumes."""
+    weights, loss = attention_chain(blocks=8)
+    found = {}
+
+    @tf.function
+    def step():
+        value = loss()
+        plan = msg.plan(value, weights, checkpoints="memory")
+        found["nested"] = plan.nested
+        got = msg.gradients(value, weights, checkpoints=plan)
+        found["full_sums"] = [
+            op.name
+            for op in tf.compat.v1.get_default_graph().get_operations()
+            if op.type == "Sum" and "Softmax" in op.name and op.inputs[0].shape == [8, 256, 256]
+        ]
+        return tf.gradients(value, weights), got
+
+    reference, got = step()
+    assert found["nested"]
+    assert found["full_sums"] == []
+    assert_same_gradients([r.numpy() for r in reference], [g.numpy() for g in got])
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"gate_gradients": True}, {"aggregation_method": tf.AggregationMethod.ADD_N}],

@@ -89,7 +89,8 @@ class _Backprop:
         self._unwaited: list[_Part] = []
         #: The gates' outputs passing each tensor (by ref) on: they share its buffer.
         self.passed: dict[object, list[tf.Tensor]] = {}
-        #: The view's ops differentiated by the library's own gradient functions, and theirs.
+        #: The view's ops differentiated by the library's own gradient functions, and theirs;
+        #: their copies take the same (`differentiate`).
         self._replaced = gradient_functions.replaced(view.ops)
 
     def has_gradient(self, tensor: tf.Tensor) -> bool:
@@ -152,7 +153,10 @@ class _Backprop:
         """Backprop `grad_ys` from `ys` into the `targets`, keeping the parts found; the
         gradient ops are built under the name scope `name`.
 
-        The user's stop_gradients stop their copies too. Gradient ops are colocated with
+        The user's stop_gradients stop their copies too. The library's gradient functions
+        (`gradient_functions`) differentiate the view's ops and whatever copies of them the
+        call reaches: this step's, and in a nested step the outer step's, which the inner
+        schedule's first call differentiates. Gradient ops are colocated with
         their forward ops where the user asks for it and `colocate` (a step passing
         gradients into variable reads does not: see `checkpointed_gradients`).
         """
@@ -171,8 +175,10 @@ class _Backprop:
             stop_gradients=[*user_stops, *copied_stops],
             boundaries=[target.tensor for target in targets if target.stops],
             differentiated_by={
-                **self._replaced,
-                **{copies[op]: f for op, f in self._replaced.items() if op in copies},
+                differentiated: function
+                for op, function in self._replaced.items()
+                for differentiated in (op, self.values.copies.get(op), copies.get(op))
+                if differentiated is not None
             },
         )
         made = graph.get_operations()[first_new:]
