@@ -103,6 +103,30 @@ def test_the_reason_of_a_keras_layer_failure_is_its_cause():
     )
 
 
+_AFTER_A_LARGER_TENSOR = """
+import sys
+import tensorflow as tf
+from memory_saving_gradients.cli import largest
+if sys.argv[1] == "pool":
+    largest.start("cpu", 64 * 2**20)
+with tf.device("CPU:0"):
+    larger = tf.raw_ops.Empty(shape=[64 * 2**18], dtype=tf.float32, init=False)
+    del larger
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    smaller = tf.raw_ops.Empty(shape=[40 * 2**18], dtype=tf.float32, init=False)
+print(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20)
+"""
+
+
+def test_on_cpu_fit_cuts_each_request_from_one_pool_as_a_gpus_allocator_does():
+    """A 40 MiB tensor made after a 64 MiB one is freed: the CPU allocator, grown as steps
+    ask, hands it the 64 MiB block whole; in the pool `fit` grows first it is cut to size."""
+    pooled = float(run_python("-c", _AFTER_A_LARGER_TENSOR, "pool"))
+    grown_as_asked = float(run_python("-c", _AFTER_A_LARGER_TENSOR, "none"))
+    assert pooled == 40.0
+    assert grown_as_asked == 64.0
+
+
 @pytest.fixture(scope="module")
 def tiny_fit(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")

@@ -6,9 +6,11 @@ fits. Every probe is a step measured as `bench` measures it (`measure.sweep`: a 
 and `tf.function`, the allocator's peak above resident memory), so the answers are of the
 same steps as bench's tables.
 
-On CPU nothing stops a step from allocating more than the limit: a value fits when its
-measured activation peak does. On a GPU the limit is real: the device is configured with that
-much memory (`start`) and a value fits when its step runs without running out.
+Both devices give the steps one pool of memory (`start`). On a GPU the limit is real: the
+device is configured with that much memory and a value fits when its step runs without
+running out. On CPU nothing stops a step from allocating more than the limit: the allocator
+is grown first into a pool far larger than it, and a value fits when its measured activation
+peak is within the limit.
 
 The search itself, and why it needs few probes, is `memory_saving_gradients._src.sizing`.
 """
@@ -34,6 +36,10 @@ REMAT_MODES = {
 }
 #: Models built of TensorFlow ops alone, which keras.RematScope leaves as they are.
 WITHOUT_KERAS_LAYERS = ("chain",)
+#: On the CPU the allocator is first grown by this many times the limit, and at least
+#: `CPU_POOL_MIB` (`start`): more than any step that fits and the weights beside it ask.
+CPU_POOL_LIMITS = 8
+CPU_POOL_MIB = 2048
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -105,20 +111,27 @@ def upper_bound(model: str, grow: str, size: int, most: int) -> int:
 
 
 def start(device: str, limit_bytes: int) -> str:
-    """Start TensorFlow's runtime like `runtime.start`; where the step runs on a GPU, give it
-    `limit_bytes` of memory (a logical device), so that a step over the limit runs out of it.
+    """Start TensorFlow's runtime like `runtime.start` and give the step one pool of memory,
+    as a GPU has: on a GPU, a logical device of `limit_bytes`, so that a step over the limit
+    runs out of it; on the CPU, an allocator grown by a block far larger than the limit
+    (`CPU_POOL_LIMITS` times it, at least `CPU_POOL_MIB`), from which each request is cut.
+    Grown block by block as steps ask, the CPU allocator would hand a request a whole block
+    of up to twice its size, and whether a length fits would depend on the blocks earlier
+    probes left.
 
     Raises:
       runtime.NoGpuError: `device` is 'gpu' and TensorFlow sees no GPU.
     """
     import tensorflow as tf
 
-    if device == "cpu":
-        return runtime.start("cpu")
-    with runtime._stderr_kept_unless_failing():  # CUDA's complaints on CPU-only machines
-        gpus = tf.config.list_physical_devices("GPU")
+    gpus = []
+    if device != "cpu":
+        with runtime._stderr_kept_unless_failing():  # CUDA's complaints on CPU-only machines
+            gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
-        return runtime.start(device)
+        started = runtime.start(device)
+        runtime.grow_allocator(max(CPU_POOL_MIB, CPU_POOL_LIMITS * limit_bytes // MIB), started)
+        return started
     config = tf.config.LogicalDeviceConfiguration(memory_limit=max(1, limit_bytes // MIB))
     tf.config.set_logical_device_configuration(gpus[0], [config])
     return "GPU:0"

@@ -102,6 +102,18 @@ def start(device: str) -> str:
     return "GPU:0"
 
 
+def grow_allocator(mib: int, device: str = "CPU:0") -> None:
+    """Make one free block of `mib` MiB, far larger than any step, and free it: each later
+    request is cut from it to its size, so a peak reads what the step needs rather than the
+    blocks this process's earlier steps left (the "grown allocator"). The block is allocated
+    uninitialized, so its pages cost the process nothing until a step writes them."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        block = tf.raw_ops.Empty(shape=[mib * 2**20 // 4], dtype=tf.float32, init=False)
+    del block
+
+
 @contextlib.contextmanager
 def _stderr_kept_unless_failing() -> Iterator[None]:
     """What native code writes to stderr inside is dropped, unless the block raises: then it

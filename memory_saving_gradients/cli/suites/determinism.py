@@ -24,6 +24,7 @@ import dataclasses
 import statistics
 from typing import Any
 
+from memory_saving_gradients.cli import runtime
 from memory_saving_gradients.cli.suites import isolated
 from memory_saving_gradients.cli.suites.page import Page, number, progress
 
@@ -149,7 +150,7 @@ def measure_model(
 
     tf.config.threading.set_inter_op_parallelism_threads(THREADS)
     keras.mixed_precision.set_global_policy(dtype)
-    isolated.grow_allocator(GROWN_MIB, device)
+    runtime.grow_allocator(GROWN_MIB, device)
     model = zoo.ALL[name](zoo.Scale(**scale))
     runs, found = {}, {}
     for config in configs or CONFIGS:

@@ -23,18 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 RESULT_MARK = "RESULT "
-MIB = 2**20
-
-
-def grow_allocator(mib: int, device: str = "CPU:0") -> None:
-    """Make one free block of `mib` MiB, far larger than any step, and free it: each later
-    request is cut from it to its size, so a peak reads what the step needs rather than the
-    blocks this process's earlier steps left (the "grown allocator")."""
-    import tensorflow as tf
-
-    with tf.device(device):
-        block = tf.zeros([mib * MIB // 4])
-    del block
 
 
 def run_alone(function: str, env: Mapping[str, str] | None = None, **arguments: Any) -> Any:

@@ -3,7 +3,7 @@ and from measured ones (`msg.measure_costs`), beside the peaks measured, and the
 plans predict beside those measured.
 
 Each model runs in a process of its own whose allocator was first grown
-(`isolated.grow_allocator`), so that each request is cut to its size rather than served from
+(`runtime.grow_allocator`), so that each request is cut to its size rather than served from
 the blocks another model left. A step is a `tf.function` returning the gradients of every
 variable: they are held to the end of the step, as the plans are told (`gradients_held`).
 The plain step is profiled once (`measure_costs`); each method is then planned from the
@@ -23,6 +23,7 @@ import statistics
 from typing import Any
 
 from memory_saving_gradients._src.models import command as models
+from memory_saving_gradients.cli import runtime
 from memory_saving_gradients.cli.suites import isolated
 from memory_saving_gradients.cli.suites.page import Page, number, progress
 
@@ -128,7 +129,7 @@ def measure_case(
     from memory_saving_gradients.cli.suites import trace
     from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
-    isolated.grow_allocator(GROWN_MIB, device)
+    runtime.grow_allocator(GROWN_MIB, device)
     built = models.build(model, depth, models.Shape(**shape))
     variables = list(built.variables)
     plans: dict[str, Any] = {}

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memory_saving_gradients.cli import runtime
 from memory_saving_gradients.cli.suites import isolated
 from memory_saving_gradients.cli.suites.page import Page, number, progress
 
@@ -129,7 +130,7 @@ def measure_point(
     from memory_saving_gradients.profiling import peak_memory
 
     if grown:
-        isolated.grow_allocator(GROWN_MIB, device)
+        runtime.grow_allocator(GROWN_MIB, device)
     run = _STEPS[workload](Size(**size), method, jit)
     peak = peak_memory(run, device) / MIB
     return {"peak": peak, "xla": _xla_buffer_mib(Path(dump)) if jit else None}
