@@ -341,3 +341,34 @@ def test_a_product_of_a_tensor_with_itself_is_a_kind_of_op_apart(monkeypatch):
         gradient_uses.gradient_use((a * a).op)
         product = gradient_uses.gradient_use((a * b).op)
     assert product.reads == ((frozenset({1}), frozenset()), (frozenset({0}), frozenset()))
+
+
+@pytest.mark.tf2_only
+def test_einsums_hold_the_copies_of_what_they_reorder_as_profiled():
+    """Keras attention's einsums and their gradients (NOTE [einsum's transposes]): the scores
+    `aecd,abcd->acbe` copy the keys, the queries and the scores; the weighted sum and every
+    gradient copy one operand and their result, or two operands. The static model's working
+    bytes equal each kernel's scratch in a profiled step; a projection reorders nothing."""
+    batch, length, heads, depth = 4, 128, 4, 64  # operands of 512 KiB, above the floor
+    q, k, v = (tf.Variable(tf.random.normal([batch, length, heads, depth])) for _ in range(3))
+    modelled = {}
+
+    @tf.function(autograph=False)
+    def step():
+        scores = tf.einsum("aecd,abcd->acbe", k, q, name="scores")
+        mixed = tf.einsum("acbe,aecd->abcd", tf.tanh(scores), v, name="mixed")
+        gradients = tf.gradients(tf.reduce_sum(tf.tanh(mixed)), [q, k, v])
+        for op in tf1.get_default_graph().get_operations():
+            if op.type == "Einsum":
+                read = [kernels.tensor_bytes(t) for t in op.inputs]
+                made = kernels.tensor_bytes(op.outputs[0])
+                modelled[op.name] = kernels.einsum_working_bytes(op, read, made)
+        return gradients
+
+    profiled = msg.measure_costs(step).kernels
+    assert len(modelled) == 6, modelled
+    assert {name: profiled[name].scratch_bytes for name in modelled} == modelled
+    assert modelled["scores/Einsum"] == 2 * 512 * 1024 + batch * heads * length**2 * 4
+    with tf.Graph().as_default():
+        projection = tf.einsum("abc,cde->abde", tf.ones([batch, length, 32]), tf.ones([32, 4, 8]))
+        assert kernels.einsum_working_bytes(projection.op, [1, 1], 1) == 0

@@ -128,6 +128,10 @@ def measured_cost(cost: OpCost, measurement: measured.OpMeasurement | None) -> O
 
 
 def _working_bytes(op: tf.Operation, output_bytes: Sequence[int]) -> int:
+    if op.type == "Einsum" and not _tf.compiled_by_xla(op.graph):
+        return kernels.einsum_working_bytes(
+            op, [kernels.tensor_bytes(t) for t in op.inputs], output_bytes[0]
+        )
     if op.type not in kernels.MATMULS or not kernels.runs_cpu_kernels(op):
         return 0
     return kernels.working_bytes(

@@ -118,7 +118,7 @@ def gradient_use(op: tf.Operation, registered: bool = False) -> GradientUse | No
     and which function differentiates it."""
     function = None if registered else gradient_functions.replacing(op)
     attrs = op.node_def.attr  # the NodeDef is serialized on each access
-    cpu = kernels.runs_cpu_kernels(op)
+    cpu, xla = kernels.runs_cpu_kernels(op), _tf.compiled_by_xla(op.graph)
     inputs = list(op.inputs)
     key = (
         op.type,
@@ -126,17 +126,18 @@ def gradient_use(op: tf.Operation, registered: bool = False) -> GradientUse | No
         tuple((t.dtype, queries.static_shape(t)) for t in inputs),
         tuple(next(j for j, u in enumerate(inputs) if u is t) for t in inputs),
         cpu,
+        xla,
         function,
     )
     if key not in _GRADIENT_USES:
         if len(_GRADIENT_USES) >= KINDS_KEPT:
             del _GRADIENT_USES[next(iter(_GRADIENT_USES))]
         aside = _tf.gradient_aside(op, function)
-        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu)
+        _GRADIENT_USES[key] = None if aside is None else _gradient_use(op, aside, cpu, xla)
     return _GRADIENT_USES[key]
 
 
-def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> GradientUse:
+def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool, xla: bool) -> GradientUse:
     ops = aside.graph.get_operations()
     runtime: set[int] = {id(g) for g in aside.output_gradients if g is not None}
     runtime.update(id(inner) for inner in aside.read.values())
@@ -151,9 +152,11 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool) -> Grad
         step_of[body_op] = len(steps)
         sizes = tuple(0 if shape_read else _step_bytes(t, size_of) for t in body_op.outputs)
         working = 0
+        read = [(t.dtype, size_of.get(id(t), kernels.tensor_bytes(t))) for t in body_op.inputs]
         if cpu and body_op.type in kernels.MATMULS:
-            read = [(t.dtype, size_of.get(id(t), kernels.tensor_bytes(t))) for t in body_op.inputs]
             working = kernels.working_bytes(body_op.type, read, sizes)
+        elif body_op.type == "Einsum" and not xla:
+            working = kernels.einsum_working_bytes(body_op, [b for _, b in read], sizes[0])
         steps.append(
             GradientStep(
                 name=body_op.name,

@@ -123,6 +123,65 @@ MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 CONTRACTIONS = MATMULS | {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Einsum"}
 
 
+# NOTE [einsum's transposes]: TensorFlow's Einsum kernel (einsum_op_impl.h, which oneDNN's
+# shares) contracts by a batched matrix product. Each operand must first have its dimensions
+# ordered by kind (batch, free, contracted, summed), each kind in the order its labels first
+# appear in the equation; an operand already in that order, or with free and contracted
+# swapped (the product then takes it transposed), is read in place, any other is copied so
+# ordered. The product's result is ordered batch, then the first operand's free labels, then
+# the second's; where the output asks another order it is copied once more. The copies live
+# until the kernel returns, beside its output: Keras's attention scores `aecd,abcd->acbe`
+# copy the keys, the queries and the scores, and their gradients copy as much (profiled).
+_BATCH, _FREE, _CONTRACTED, _SUMMED = range(4)
+
+
+def einsum_working_bytes(op: tf.Operation, input_bytes: Sequence[int], output_bytes: int) -> int:
+    """Bytes the Einsum `op`'s kernel holds beside its inputs and output: the copies of the
+    operands and of the product it reorders (NOTE [einsum's transposes]), given each input's
+    bytes and the output's. Counted for two operands with distinct named labels each; 0 for
+    ellipses, diagonals and single operands."""
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    operands, _, output = equation.partition("->")
+    inputs = operands.split(",")
+    if len(inputs) != 2 or "." in equation:
+        return 0
+    if any(len(set(labels)) != len(labels) for labels in (*inputs, output)):
+        return 0
+    first_seen: dict[str, int] = {}
+    for label in "".join(inputs) + output:
+        first_seen.setdefault(label, len(first_seen))
+    sizes: dict[str, int | None] = {}
+    for labels, tensor in zip((*inputs, output), (*op.inputs, op.outputs[0]), strict=True):
+        sizes.update(zip(labels, queries.static_shape(tensor) or (), strict=False))
+    kind = {
+        label: (
+            (_BATCH if label in output else _CONTRACTED)
+            if label in inputs[0] and label in inputs[1]
+            else (_FREE if label in output else _SUMMED)
+        )
+        for label in first_seen
+    }
+    swapped_kind = {**kind, **{k: _CONTRACTED for k, v in kind.items() if v == _FREE}}
+    swapped_kind.update({k: _FREE for k, v in kind.items() if v == _CONTRACTED})
+
+    def data_order(labels: Sequence[str]) -> list[str]:
+        """The labels whose dimensions a reordering moves (those of size one move nothing)."""
+        return [label for label in labels if sizes.get(label) != 1]
+
+    copied, free = 0, []
+    for labels, held in zip(inputs, input_bytes, strict=True):
+        order = list(labels)
+        if order != sorted(labels, key=lambda label: (swapped_kind[label], first_seen[label])):
+            order = sorted(labels, key=lambda label: (kind[label], first_seen[label]))
+            copied += held if data_order(order) != data_order(labels) else 0
+        free.append([label for label in order if kind[label] == _FREE])
+    batch = sorted(
+        (label for label in output if kind[label] == _BATCH), key=first_seen.__getitem__
+    )
+    product = [*batch, *free[0], *free[1]]
+    return copied + (output_bytes if data_order(product) != data_order(output) else 0)
+
+
 def runs_cpu_kernels(op: tf.Operation) -> bool:
     """Whether `op` runs on TensorFlow's own CPU kernels: placed on a CPU, or unplaced where
     no GPU is visible, and not compiled by XLA."""
