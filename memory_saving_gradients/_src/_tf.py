@@ -334,11 +334,7 @@ def gradient_aside(op: tf.Operation, function: Callable | None = None) -> Gradie
     no gradient."""
     if has_own_gradient(op) or is_function_call(op) or op.type in CONTROL_FLOW_TYPES:
         return None
-    if function is None:
-        try:
-            function = tf_ops._gradient_registry.lookup(op.type)
-        except LookupError:
-            return None
+    function = function or registered_gradient(op)
     if function is None:
         return None
     body = func_graph.FuncGraph("gradient_aside")
@@ -355,6 +351,14 @@ def gradient_aside(op: tf.Operation, function: Callable | None = None) -> Gradie
     gradients = list(gradients) if isinstance(gradients, (list, tuple)) else [gradients]
     read = {id(outer): inner for outer, inner in body.captures}
     return GradientAside(body, output_gradients, gradients, read)
+
+
+def registered_gradient(op: tf.Operation) -> Callable | None:
+    """The gradient function TensorFlow registered for `op`'s type; None where it has none."""
+    try:
+        return tf_ops._gradient_registry.lookup(op.type)
+    except LookupError:
+        return None
 
 
 def has_own_gradient(op: tf.Operation) -> bool:

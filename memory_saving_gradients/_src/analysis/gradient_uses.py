@@ -36,6 +36,8 @@ class GradientStep:
       folded: it gives a shape that is static, so graph optimizers compute it ahead.
       reuses_input: its output may take over an input buffer nothing else needs.
       working: bytes its kernel holds for itself while it runs (`working_bytes`).
+      waits: the earlier steps it waits for besides those it reads (control inputs: NOTE [a
+        product's gradient frees before it makes] in gradient_functions.py).
     """
 
     name: str
@@ -47,6 +49,7 @@ class GradientStep:
     folded: bool
     reuses_input: bool
     working: int
+    waits: tuple[int, ...]
 
     @property
     def computes(self) -> bool:
@@ -100,6 +103,16 @@ class GradientUse:
             groups = [*apart, (inputs, computing)]
         return tuple(
             tuple(sorted(inputs)) for inputs, _ in sorted(groups, key=lambda g: min(g[0]))
+        )
+
+    def kernels_waited_for(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """For each of the kernel `groups` (`kernels`), the other groups it waits for: those
+        whose steps its own steps wait on besides reading them (`GradientStep.waits`)."""
+        steps = [set().union(*(self.needs[i] for i in group)) for group in groups]
+        waited = [set().union(*(self.steps[s].waits for s in own)) - own for own in steps]
+        return tuple(
+            tuple(k for k, other in enumerate(steps) if k != g and waited[g] & other)
+            for g in range(len(groups))
         )
 
 
@@ -170,8 +183,16 @@ def _gradient_use(op: tf.Operation, aside: _tf.GradientAside, cpu: bool, xla: bo
                 and all(t.shape.is_fully_defined() for t in body_op.inputs),
                 reuses_input=body_op.type in kernels.REUSES_INPUT_BUFFER,
                 working=working,
+                waits=(),
             )
         )
+    # A step may wait for one made after it (NOTE [a product's gradient frees before it makes]).
+    steps = [
+        dataclasses.replace(
+            step, waits=tuple(step_of[c] for c in body_op.control_inputs if c in step_of)
+        )
+        for step, body_op in zip(steps, step_of, strict=True)
+    ]
     captured = tuple(
         (id(inner), kind, index) for (kind, index), inner in _outer_and_inner(op, aside)
     )

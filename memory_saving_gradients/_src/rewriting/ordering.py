@@ -6,6 +6,7 @@ reads])."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import tensorflow as tf
@@ -61,12 +62,14 @@ def weight_gradients_first(
 class _Order:
     """The ops one gradient call made, in an order every edge between them follows: data
     edges, control edges (`gate_gradients` groups an op's input gradients behind one
-    `group_deps`) and the waits added here. TensorFlow makes ops after their inputs, so the
-    order starts as the order of making; an added wait that goes against it moves the ops
+    `group_deps`) and the waits added here. The order starts as the order of making, but for
+    ops waiting on ops made after them (NOTE [a product's gradient frees before it makes] in
+    analysis/gradient_functions.py); an added wait that goes against it moves the ops
     between its two ends as little as keeps every edge forward (Pearce and Kelly's dynamic
     topological order). So `reaches` searches only between the two ops' places."""
 
     def __init__(self, made: Sequence[tf.Operation]) -> None:
+        made = _in_dependency_order(made)
         self._place = {op: i for i, op in enumerate(made)}
         self._readers: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
         self._waited_for: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
@@ -115,6 +118,34 @@ class _Order:
             seen.add(op)
             stack.extend(next_op for next_op in edges[op] if within(next_op))
         return seen
+
+
+def _in_dependency_order(made: Sequence[tf.Operation]) -> list[tf.Operation]:
+    """`made` with each op after the ops of `made` it reads or waits for, in the order of
+    making where that leaves a choice."""
+    place = {op: i for i, op in enumerate(made)}
+    before = {
+        op: {d for d in (*(t.op for t in op.inputs), *op.control_inputs) if d in place}
+        for op in made
+    }
+    if all(place[d] < place[op] for op, ds in before.items() for d in ds):
+        return list(made)
+    readers: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
+    for op, ds in before.items():
+        for d in ds:
+            readers[d].append(op)
+    left = {op: len(ds) for op, ds in before.items()}
+    ready = [place[op] for op in made if not left[op]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        op = made[heapq.heappop(ready)]
+        order.append(op)
+        for reader in readers[op]:
+            left[reader] -= 1
+            if not left[reader]:
+                heapq.heappush(ready, place[reader])
+    return order
 
 
 def _may_lag(gradient: tf.Operation, siblings: set[tf.Operation], order: _Order) -> bool:

@@ -38,10 +38,12 @@ class Kernel(NamedTuple):
       seconds: how long they run, in any unit the same for all.
       makers: the ops making the inputs whose gradients they make, once for each such
         input: those ops' gradients wait for them.
+      after: the op's other kernels (by index) these start after.
     """
 
     seconds: float
     makers: Sequence[int]
+    after: Sequence[int] = ()
 
 
 def backward_events(
@@ -56,7 +58,7 @@ def backward_events(
         return [
             (op, index, starts)
             for op in reversed(ops)
-            for index in reversed(range(len(kernels[op])))
+            for index in _in_turn(kernels[op])
             for starts in (True, False)
         ]
     waiting = dict.fromkeys(ops, 0)
@@ -67,8 +69,18 @@ def backward_events(
                     waiting[maker] += 1
     # The latest op first: one thread runs the executor's ready ops in the order the
     # gradient function made them, which is from the ys back.
+    held = {
+        (op, index): len(kernel.after)
+        for op in ops
+        for index, kernel in enumerate(kernels[op])
+        if kernel.after
+    }
     queue = collections.deque(
-        (op, index) for op in reversed(ops) if not waiting[op] for index in range(len(kernels[op]))
+        (op, index)
+        for op in reversed(ops)
+        if not waiting[op]
+        for index in range(len(kernels[op]))
+        if (op, index) not in held
     )
     idle = list(range(threads))
     running: list[tuple[float, int, int, int, int]] = []  # (finish, tiebreak, thread, op, kernel)
@@ -86,16 +98,38 @@ def backward_events(
             break
         now, _, thread, op, index = heapq.heappop(running)
         events.append((op, index, False))
+        for sibling, kernel in enumerate(kernels[op]):
+            if index in kernel.after:
+                held[op, sibling] -= 1
+                if not held[op, sibling]:
+                    queue.appendleft((op, sibling))
         ready = []
         for maker in kernels[op][index].makers:
             if maker in waiting:
                 waiting[maker] -= 1
                 if not waiting[maker]:
                     ready.append(maker)
-        kernels_ready = [(maker, i) for maker in sorted(ready) for i in range(len(kernels[maker]))]
+        kernels_ready = [
+            (maker, i)
+            for maker in sorted(ready)
+            for i in range(len(kernels[maker]))
+            if (maker, i) not in held
+        ]
         if kernels_ready:
             start(*kernels_ready.pop(), thread)
             queue.extend(reversed(kernels_ready))
         else:
             idle.append(thread)
     return events
+
+
+def _in_turn(kernels: Sequence[Kernel]) -> list[int]:
+    """The order one thread runs an op's kernels in: the last made first, as the executor
+    runs the last made ready inline, each after the kernels it waits for."""
+    order: list[int] = []
+    pending = list(reversed(range(len(kernels))))
+    while pending:
+        index = next(i for i in pending if all(k in order for k in kernels[i].after))
+        pending.remove(index)
+        order.append(index)
+    return order

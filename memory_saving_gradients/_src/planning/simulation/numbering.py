@@ -109,12 +109,19 @@ class Numbering:
                 if len(groups) > 1 and cost.gradient is not None
                 else ()
             )
+            waited_for = (
+                cost.gradient.kernels_waited_for(groups)
+                if len(groups) > 1 and cost.gradient is not None
+                else ((),) * len(groups)
+            )
             kernels.append(
                 tuple(
                     executor.Kernel(
-                        seconds, tuple(maker[ins[i]] for i in group if ins[i] in maker)
+                        seconds, tuple(maker[ins[i]] for i in group if ins[i] in maker), after
                     )
-                    for group, seconds in zip(groups, kernel_seconds(cost, groups), strict=True)
+                    for group, seconds, after in zip(
+                        groups, kernel_seconds(cost, groups), waited_for, strict=True
+                    )
                 )
             )
             for t in set(ins):
