@@ -133,6 +133,44 @@ def test_gradients_are_tensorflows_and_the_graph_keeps_its_functions(checkpoints
 
 
 @pytest.mark.tf2_only
+@pytest.mark.parametrize("batch", [8, None], ids=["static", "unknown-batch"])
+def test_a_batched_products_larger_operands_gradient_waits_for_the_smallers(batch):
+    """Attention's probabilities weighing the values: the probabilities' gradient waits for
+    the values', the last reader of the probabilities (NOTE [a product's gradient frees
+    before it makes]), and both are TensorFlow's, bit for bit. Products of like operands
+    (queries and keys) and products without a batch dimension (a projection) keep
+    TensorFlow's gradient."""
+    found = {}
+
+    @tf.function
+    def gradients(probabilities, values):
+        weighed = tf.einsum("bqk,bkd->bqd", probabilities, values)
+        scores = tf.matmul(values, values, transpose_b=True)
+        projected = tf.einsum("bkd,de->bke", values, tf.ones([16, 16]))
+        found["replacing"] = [
+            gradient_functions.replacing(t.op) for t in (weighed, scores, projected)
+        ]
+        upstream = tf.ones_like(weighed)
+        ours = gradient_functions.product_gradient(weighed.op, upstream)
+        waiting = [
+            op for op in tf.compat.v1.get_default_graph().get_operations() if op.control_inputs
+        ]
+        found["waits"] = [(op.type, [c for c in op.control_inputs]) for op in waiting]
+        found["values' gradient"] = ours[1].op
+        return ours, tf.gradients(weighed, [probabilities, values], upstream)
+
+    rng = np.random.default_rng(4)
+    probabilities = rng.random((8, 512, 512)).astype("f4")
+    values = rng.standard_normal((8, 512, 16)).astype("f4")
+    spec = [tf.TensorSpec([batch, 512, 512]), tf.TensorSpec([batch, 512, 16])]
+    ours, want = gradients.get_concrete_function(*spec)(probabilities, values)
+    assert found["replacing"] == [gradient_functions.product_gradient, None, None]
+    assert found["waits"] == [("Einsum", [found["values' gradient"]])]
+    for got, expected in zip(ours, want, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+@pytest.mark.tf2_only
 def test_a_nested_steps_softmaxes_take_their_sums_in_slices_too():
     """Nested recomputation differentiates the outer step's copies of a segment first (the
     inner schedule's last segment): those softmaxes too take the library's gradient, whose

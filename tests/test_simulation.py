@@ -92,6 +92,22 @@ def test_what_a_gradients_fast_kernel_makes_goes_on_while_its_slow_kernel_runs()
     assert position[(0, 0, False)] < position[(1, 1, False)]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_kernel_waiting_for_its_sibling_starts_once_the_sibling_has_finished(threads):
+    """A product's gradient whose first kernel (the larger operand's gradient) waits for its
+    second, below another op's gradient: on any number of threads the second finishes
+    before the first starts (NOTE [a product's gradient frees before it makes])."""
+    tasks = {
+        0: [executor.Kernel(1.0, [], after=(1,)), executor.Kernel(3.0, [])],
+        1: [executor.Kernel(1.0, [0])],
+    }
+    events = executor.backward_events(range(2), tasks, threads)
+    assert sorted(events) == sorted(
+        (op, kernel, starts) for op, kernel in ((0, 0), (0, 1), (1, 0)) for starts in (True, False)
+    )
+    assert events.index((0, 1, False)) < events.index((0, 0, True))
+
+
 def test_xla_runs_its_gradients_one_at_a_time(monkeypatch):
     """The two branches of the test above, compiled by XLA: its schedule runs one op at a
     time whatever the inter-op threads, and measures 6.2 MB."""

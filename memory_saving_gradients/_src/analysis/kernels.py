@@ -29,10 +29,10 @@ REUSES_INPUT_BUFFER = frozenset(
         "Abs", "Add", "AddN", "AddV2", "BiasAdd", "Ceil", "Cos", "Div", "DivNoNan", "Elu",
         "EluGrad", "Erf", "Exp", "Floor", "LeakyRelu", "LeakyReluGrad", "Log", "Log1p",
         "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "Pow", "RealDiv", "Reciprocal",
-        "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad", "Select",
-        "SelectV2", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus",
-        "SoftplusGrad", "Softsign", "Sqrt", "SqrtGrad", "Square", "SquaredDifference", "Sub",
-        "Tanh", "TanhGrad",
+        "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad", "Selu",
+        "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "SoftplusGrad",
+        "Softsign", "Sqrt", "SqrtGrad", "Square", "SquaredDifference", "Sub", "Tanh",
+        "TanhGrad",
     }
 )  # fmt: skip
 #: Ops whose output is their input's buffer: they allocate nothing.
