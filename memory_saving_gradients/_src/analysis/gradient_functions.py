@@ -127,9 +127,10 @@ def product_gradient(op: tf.Operation, gradient: tf.Tensor) -> list[tf.Tensor | 
         return gradients
     made = set(graph.get_operations()[first:])
     after = {
-        op
-        for op in queries.backward_ops([later.op], made) - queries.backward_ops([earlier.op], made)
-        if op in made and op.type not in _NOT_RUN
+        computing
+        for computing in queries.backward_ops([later.op], made)
+        - queries.backward_ops([earlier.op], made)
+        if computing in made and computing.type not in _NOT_RUN
     }
     for waiting in after:
         if not any(t.op in after for t in waiting.inputs):

@@ -36,8 +36,8 @@ class GradientStep:
       folded: it gives a shape that is static, so graph optimizers compute it ahead.
       reuses_input: its output may take over an input buffer nothing else needs.
       working: bytes its kernel holds for itself while it runs (`working_bytes`).
-      waits: the earlier steps it waits for besides those it reads (control inputs: NOTE [a
-        product's gradient frees before it makes] in gradient_functions.py).
+      waits: the steps it waits for besides those it reads, made before or after it (control
+        inputs: NOTE [a product's gradient frees before it makes] in gradient_functions.py).
     """
 
     name: str
