@@ -116,12 +116,11 @@ def product_gradient(op: tf.Operation, gradient: tf.Tensor) -> list[tf.Tensor | 
     """TensorFlow's gradient of the product `op`, the larger operand's gradient made after the
     smaller's (NOTE [a product's gradient frees before it makes]): the ops computing only the
     larger's wait for the op giving the smaller's."""
-    registered = _tf.registered_gradient(op)
-    assert registered is not None, op.type  # every product type has one
+    registered, larger = _tf.registered_gradient(op), larger_operand(op)
+    assert registered is not None and larger is not None, op  # as `replacing` chose it
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     gradients = list(registered(op, gradient))
-    larger = larger_operand(op)
     later, earlier = gradients[larger], gradients[1 - larger]
     if later is None or earlier is None:
         return gradients
