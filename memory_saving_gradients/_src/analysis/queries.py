@@ -60,8 +60,11 @@ def forward_ops(
 BACK_EDGE_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
 
-def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
-    """`ops` ordered so that each comes after the ops it reads, ties broken by creation order.
+def topological_order(
+    ops: Collection[tf.Operation], control_inputs: bool = False
+) -> list[tf.Operation]:
+    """`ops` ordered so that each comes after the ops it reads (and, with `control_inputs`,
+    those it waits for), ties broken by creation order.
 
     Creation order is the order the user wrote the model in, which keeps the tensors alive
     across any point of the order few (the checkpoint planner relies on that). The back edges
@@ -75,6 +78,10 @@ def topological_order(ops: Collection[tf.Operation]) -> list[tf.Operation]:
         for tensor in op.inputs
         if tensor.op in dependencies and tensor.op.type not in BACK_EDGE_TYPES
     )
+    if control_inputs:
+        dependencies.add_edges_from(
+            (before, op) for op in ops for before in op.control_inputs if before in dependencies
+        )
     return list(nx.lexicographical_topological_sort(dependencies, key=_tf.creation_index))
 
 

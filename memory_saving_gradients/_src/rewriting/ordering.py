@@ -6,13 +6,12 @@ reads])."""
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
-from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis import kernels, queries
 from memory_saving_gradients._src.analysis.arguments import Gradient
 from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
@@ -69,7 +68,7 @@ class _Order:
     topological order). So `reaches` searches only between the two ops' places."""
 
     def __init__(self, made: Sequence[tf.Operation]) -> None:
-        made = _in_dependency_order(made)
+        made = queries.topological_order(made, control_inputs=True)
         self._place = {op: i for i, op in enumerate(made)}
         self._readers: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
         self._waited_for: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
@@ -118,34 +117,6 @@ class _Order:
             seen.add(op)
             stack.extend(next_op for next_op in edges[op] if within(next_op))
         return seen
-
-
-def _in_dependency_order(made: Sequence[tf.Operation]) -> list[tf.Operation]:
-    """`made` with each op after the ops of `made` it reads or waits for, in the order of
-    making where that leaves a choice."""
-    place = {op: i for i, op in enumerate(made)}
-    before = {
-        op: {d for d in (*(t.op for t in op.inputs), *op.control_inputs) if d in place}
-        for op in made
-    }
-    if all(place[d] < place[op] for op, ds in before.items() for d in ds):
-        return list(made)
-    readers: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in made}
-    for op, ds in before.items():
-        for d in ds:
-            readers[d].append(op)
-    left = {op: len(ds) for op, ds in before.items()}
-    ready = [place[op] for op in made if not left[op]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        op = made[heapq.heappop(ready)]
-        order.append(op)
-        for reader in readers[op]:
-            left[reader] -= 1
-            if not left[reader]:
-                heapq.heappush(ready, place[reader])
-    return order
 
 
 def _may_lag(gradient: tf.Operation, siblings: set[tf.Operation], order: _Order) -> bool:
