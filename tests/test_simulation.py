@@ -133,7 +133,8 @@ import json
 import numpy as np
 import tensorflow as tf
 import memory_saving_gradients as msg
-from tests.test_selective import sgd_step_peak
+from memory_saving_gradients.cli.suites import trace
+from tests.test_selective import read_in_place
 
 tf.compat.v1.disable_eager_execution()
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -142,9 +143,16 @@ with tf.Graph().as_default() as graph:
     weights = [tf.Variable(tf.fill([256, 1024], 0.01)), tf.Variable(tf.fill([1024, 256], 0.01))]
     wide = tf.matmul(x, weights[0]) + 1.0
     loss = tf.reduce_sum(tf.matmul(wide, weights[1]))
-    plan = msg.plan(loss, weights, checkpoints=lambda view: msg.Plan(view, [], "plain"))
+    plain = lambda view: msg.Plan(view, [], "plain")
+    plan = msg.plan(loss, weights, checkpoints=plain, gradients_held=True)
     grads = tf.gradients(loss, weights)
-_, requested = sgd_step_peak(graph, x, np.ones([1024, 256], np.float32), weights, grads)
+    init = tf.compat.v1.global_variables_initializer()
+config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
+feed = {x: read_in_place(np.ones([1024, 256], np.float32))}
+with tf.compat.v1.Session(graph=graph, config=config) as session:
+    session.run(init)
+    session.run(grads, feed)
+    requested = trace.profiled(lambda: session.run(grads, feed)).requested_peak
 print(json.dumps([plan.plain_peak_bytes, requested]))
 """
 
@@ -152,9 +160,11 @@ print(json.dumps([plan.plain_peak_bytes, requested]))
 def test_a_products_input_is_let_go_by_its_weight_gradient_before_its_data_gradient_is_made():
     """On one inter-op thread the executor runs a matrix product's weight gradient first (the
     last kernel made ready runs inline), and that kernel is the last to read the product's 4
-    MiB input: it is freed before the 4 MiB data gradient is made. Predicted as profiled in a
-    Session of one inter-op thread (the process's pool set to one for the plan), in a fresh
-    interpreter: 6 MiB, where holding the input to the op's last kernel predicted 9."""
+    MiB input: it is freed before the 4 MiB data gradient is made. The step fetches both
+    weights' gradients (held to its end: no update's temporaries to model) from a fed input
+    read in place. Predicted as profiled in a Session of one inter-op thread (the process's
+    pool set to one for the plan), in a fresh interpreter: 6 MiB (the data gradient and both
+    weight gradients), where holding the input to the op's last kernel predicted 9."""
     predicted, requested = json.loads(run_python("-c", _WEIGHT_GRADIENT_FIRST).splitlines()[-1])
     assert predicted == pytest.approx(requested, rel=0.05), (predicted, requested)
     assert predicted < 8 * 2**20, predicted
