@@ -42,9 +42,11 @@ class Execution:
         """Tensors the view's ops read that the step makes outside the view: a dropout's
         mask, drawn from a seed no x leads to, or a padding mask cast from the inputs. Not
         resident before the step and never recomputed, each is alive from the forward pass
-        until its readers' gradients have read it."""
+        until its readers' gradients have read it. One of each set that identical ops compute
+        (NOTE [identical ops are merged])."""
         view = self.view
         found = {}
+        computation = _Computations()
         for op in view.ops:
             for t in op.inputs:
                 if (
@@ -53,7 +55,7 @@ class Execution:
                     and t.dtype not in (tf.resource, tf.variant)
                     and _allocated_in_step(t)
                 ):
-                    found[t.ref()] = t
+                    found.setdefault(computation.of(t), t)
         return tuple(found.values())
 
     @cached_property
@@ -237,6 +239,51 @@ def _only_reader_past(op: tf.Operation, chain: frozenset[tf.Operation]) -> tf.Op
         (op,) = readers
         if op not in chain:
             return op
+
+
+# NOTE [identical ops are merged]: TensorFlow's graph optimizers merge ops of one type, with
+# the same attributes and the same inputs, into one (grappler's common subexpression
+# elimination), and then their readers, which have become identical too. A model that makes
+# its attention mask in every block from the same padding mask (keras-hub's decoders each
+# compare a causal mask with it) computes it once per step: one bool tensor of batch by
+# length squared alive to the end of backprop, not one per block (tests/test_simulation.py).
+# Ops with side effects (random draws, placeholders, variable reads) are never merged.
+_NEVER_MERGED = frozenset(
+    {"Placeholder", "PlaceholderWithDefault", "ReadVariableOp", "VarHandleOp"}
+)
+
+
+class _Computations:
+    """What computes each tensor, as a key that two tensors share where identical ops compute
+    them from the same stateful ops and constants of the same value."""
+
+    def __init__(self) -> None:
+        self._keys: dict[object, object] = {}
+
+    def of(self, tensor: tf.Tensor) -> object:
+        """The key of `tensor`'s computation (its own reference where none can be merged)."""
+        key = self._keys.get(tensor.ref())
+        if key is None:
+            key = self._keys[tensor.ref()] = self._computed(tensor)
+        return key
+
+    def _computed(self, tensor: tf.Tensor) -> object:
+        op = tensor.op
+        if _tf.is_stateful(op) or op.type in _NEVER_MERGED or _tf.in_v1_control_flow(op):
+            return tensor.ref()
+        attributes = tuple(
+            (name, op.node_def.attr[name].SerializeToString(deterministic=True))
+            for name in sorted(op.node_def.attr)
+            if not name.startswith("_")
+        )
+        return (
+            op.type,
+            op.device,
+            attributes,
+            tensor.value_index,
+            tuple(self.of(t) for t in op.inputs),
+            frozenset(self.of(c.outputs[0]) if c.outputs else c for c in op.control_inputs),
+        )
 
 
 def _allocated_in_step(tensor: tf.Tensor) -> bool:

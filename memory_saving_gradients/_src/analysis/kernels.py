@@ -22,17 +22,19 @@ from memory_saving_gradients._src.analysis import queries
 #: Elements assumed for a dimension whose static size is unknown (usually the batch).
 UNKNOWN_DIM_SIZE = 64
 
-#: Element-wise ops whose kernels write their output into an input buffer nothing else
-#: needs any more (TensorFlow's `forward_input_or_allocate_output`), forward or backward.
+#: Ops whose kernels write their output into an input buffer of its size that nothing else
+#: needs any more (TensorFlow's `forward_input_or_allocate_output`), forward or backward:
+#: element-wise ops, selects (the value taken where the condition holds, or the other) and
+#: softmaxes.
 REUSES_INPUT_BUFFER = frozenset(
     {
         "Abs", "Add", "AddN", "AddV2", "BiasAdd", "Ceil", "Cos", "Div", "DivNoNan", "Elu",
         "EluGrad", "Erf", "Exp", "Floor", "LeakyRelu", "LeakyReluGrad", "Log", "Log1p",
-        "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "Pow", "RealDiv", "Reciprocal",
-        "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad", "Selu",
-        "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin", "Softplus", "SoftplusGrad",
-        "Softsign", "Sqrt", "SqrtGrad", "Square", "SquaredDifference", "Sub", "Tanh",
-        "TanhGrad",
+        "LogSoftmax", "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "Pow", "RealDiv",
+        "Reciprocal", "Relu", "Relu6", "Relu6Grad", "ReluGrad", "Round", "Rsqrt", "RsqrtGrad",
+        "Select", "SelectV2", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Sin",
+        "Softmax", "Softplus", "SoftplusGrad", "Softsign", "Sqrt", "SqrtGrad", "Square",
+        "SquaredDifference", "Sub", "Tanh", "TanhGrad",
     }
 )  # fmt: skip
 #: Ops whose output is their input's buffer: they allocate nothing.
