@@ -228,8 +228,8 @@ def test_layer_outputs_off_the_path_of_gradients_are_named(caplog):
 
 
 def test_memory_log_adds_peaks_and_saving_to_history():
-    """Batches of 512: TensorFlow's CPU allocator statistics leave out tensors of 128 KiB and
-    less (measured on 2.21), which would read as no memory at all."""
+    """Batches of 512: TensorFlow's CPU allocator statistics leave out requests under
+    256 KiB (tests/test_memory.py), which would read as no memory at all."""
     histories = []
     for enabled in (False, True):
         model = named_chain()

@@ -2,6 +2,8 @@
 
 TensorFlow's allocators pool memory, so process RSS says little; the allocator's own peak,
 minus what was resident before the step (weights, inputs), is the memory the step needed.
+On the CPU those statistics leave out requests under 256 KiB, which are served apart from
+the pool they count (tests/test_memory.py): a step of small tensors reads as needing nothing.
 In a `tf.compat.v1.Session` each distinct fetch list keeps its own cached constants, so measure
 each configuration in a fresh Session.
 """

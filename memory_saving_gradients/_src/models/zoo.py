@@ -49,7 +49,7 @@ class Scale:
 #: Toy sizes, for gradient parity (tests/test_zoo.py).
 TOY = Scale()
 #: The smallest sizes whose activations TensorFlow's allocator statistics count (it ignores
-#: tensors of 128 KiB or less) in float16 as well: for memory tests.
+#: requests under 256 KiB) in float16 as well: for memory tests.
 SMALL = Scale(size=96, batch=8, length=256, dim=64, rows=16384, width=32)
 
 

@@ -11,7 +11,7 @@ static estimates and from those costs, and each step measured: the allocator's p
 resident memory, the smallest of `builds` measurements, and the largest sum of bytes its live
 tensors requested in one profiled step (`trace.profiled`). The simulator models requested
 bytes; the allocator reads more where it hands a request a free block of up to twice its size
-whole, and TensorFlow's CPU allocator does not count requests of 128 KiB or less. Errors are
+whole, and TensorFlow's CPU allocator does not count requests under 256 KiB. Errors are
 against the measured peak; step times are medians of steps taken in turns, as ratios to
 plain's, beside each plan's `time_ratio`.
 """
@@ -52,7 +52,7 @@ class Case:
         return f"{self.model}, {self.depth} {kind.depth_counts}, {sizes}"
 
 
-#: Models whose tensors are mostly far above the allocator's 128 KiB floor.
+#: Models whose tensors are mostly far above the allocator's 256 KiB floor.
 FULL = (
     Case("chain", 16, models.Shape(batch=2048, width=256, size=0)),
     Case("densenet", 8, models.Shape(batch=8, width=12, size=32)),
