@@ -45,7 +45,7 @@ class Execution:
         until its readers' gradients have read it. One of each set that identical ops compute
         (NOTE [identical ops are merged])."""
         view = self.view
-        found = {}
+        found: dict[object, tf.Tensor] = {}
         computation = _Computations()
         for op in view.ops:
             for t in op.inputs:
