@@ -213,8 +213,9 @@ def _plain_peak_of_masked_blocks(n: int, blocks: int) -> tuple[int, int, int]:
 
 def test_a_selects_gradient_writes_into_the_gradient_it_reads():
     """One 4 MiB block: the select's gradient `where(mask, g, 0)` writes into `g`, which dies
-    there, as its forward writes into a dying input: the peak is the 4 MiB matmul output and
-    the top tanh's output holding the gradient (8 MiB), not 12 with the select's own."""
+    there, as its forward writes into a dying input: the peak is the 4 MiB matmul output, the
+    top tanh's output holding the gradient and the 1 MiB mask (9 MiB), not 13 with the
+    select's own."""
     predicted, held, requested = _plain_peak_of_masked_blocks(1024, 1)
     assert held == 1
     assert predicted == pytest.approx(requested, abs=1024), (predicted, requested)
