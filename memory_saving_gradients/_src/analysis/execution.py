@@ -254,36 +254,56 @@ _NEVER_MERGED = frozenset(
 
 
 class _Computations:
-    """What computes each tensor, as a key that two tensors share where identical ops compute
-    them from the same stateful ops and constants of the same value."""
+    """A number for what computes each tensor, shared by tensors that identical ops compute
+    from the same stateful ops and constants of the same value."""
 
     def __init__(self) -> None:
-        self._keys: dict[object, object] = {}
+        self._of_tensor: dict[object, int] = {}
+        self._of_computation: dict[tuple, int] = {}
 
-    def of(self, tensor: tf.Tensor) -> object:
-        """The key of `tensor`'s computation (its own reference where none can be merged)."""
-        key = self._keys.get(tensor.ref())
-        if key is None:
-            key = self._keys[tensor.ref()] = self._computed(tensor)
-        return key
+    def of(self, tensor: tf.Tensor) -> int:
+        """The number of `tensor`'s computation, its inputs' numbered first (without
+        recursion: a mask may be computed by a long chain of ops)."""
+        pending = [tensor]
+        while pending:
+            top = pending[-1]
+            if top.ref() in self._of_tensor:
+                pending.pop()
+                continue
+            mergeable = _mergeable(top.op)
+            missing = [t for t in _inputs_and_waits(top.op) if t.ref() not in self._of_tensor]
+            if mergeable and missing:
+                pending.extend(missing)
+                continue
+            pending.pop()
+            key = self._computation(top) if mergeable else (top.ref(),)
+            number = self._of_computation.setdefault(key, len(self._of_computation))
+            self._of_tensor[top.ref()] = number
+        return self._of_tensor[tensor.ref()]
 
-    def _computed(self, tensor: tf.Tensor) -> object:
+    def _computation(self, tensor: tf.Tensor) -> tuple:
         op = tensor.op
-        if _tf.is_stateful(op) or op.type in _NEVER_MERGED or _tf.in_v1_control_flow(op):
-            return tensor.ref()
         attributes = tuple(
             (name, op.node_def.attr[name].SerializeToString(deterministic=True))
             for name in sorted(op.node_def.attr)
             if not name.startswith("_")
         )
-        return (
-            op.type,
-            op.device,
-            attributes,
-            tensor.value_index,
-            tuple(self.of(t) for t in op.inputs),
-            frozenset(self.of(c.outputs[0]) if c.outputs else c for c in op.control_inputs),
+        inputs = tuple(self._of_tensor[t.ref()] for t in op.inputs)
+        waits = frozenset(
+            self._of_tensor[c.outputs[0].ref()] if c.outputs else c for c in op.control_inputs
         )
+        return (op.type, op.device, attributes, tensor.value_index, inputs, waits)
+
+
+def _mergeable(op: tf.Operation) -> bool:
+    """Whether graph optimizers may merge `op` with an identical op (NOTE [identical ops are
+    merged])."""
+    return not (_tf.is_stateful(op) or op.type in _NEVER_MERGED or _tf.in_v1_control_flow(op))
+
+
+def _inputs_and_waits(op: tf.Operation) -> list[tf.Tensor]:
+    """The tensors `op` reads, and the first output of each op it waits for that has one."""
+    return [*op.inputs, *(c.outputs[0] for c in op.control_inputs if c.outputs)]
 
 
 def _allocated_in_step(tensor: tf.Tensor) -> bool:
