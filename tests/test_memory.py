@@ -28,7 +28,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.profiling import peak_memory
+from memory_saving_gradients._src.profiling import turn_ratios
+from memory_saving_gradients.profiling import TimeRatio, peak_memory
 from tests.helpers import one_level, original_of, recomputed_copies, run_python
 
 tf1 = tf.compat.v1
@@ -82,6 +83,31 @@ def test_the_cpu_allocators_statistics_count_requests_from_256_kib():
         step = tf.function(lambda values=values: tf.reduce_sum(tf.exp(values) * tf.sin(values)))
         peaks[elements] = peak_memory(step)
     assert peaks == {2**16 - 1: 0, 2**16: 2 * 2**18}, peaks
+
+
+def test_time_ratios_divide_each_turn_by_the_references_time_in_that_turn():
+    """A step twice as slow as plain in every turn reads 2.0, however the machine's speed
+    moves between turns: the ratio of medians of these times reads 1.5."""
+    times = {"plain": [1.0, 1.0, 4.0, 4.0, 4.0], "twice": [2.0, 2.0, 8.0, 8.0, 8.0]}
+    ratios = turn_ratios(times, "plain")
+    assert ratios["plain"] == TimeRatio(1.0, 1.0, 1.0)
+    assert ratios["twice"] == TimeRatio(2.0, 2.0, 2.0)
+    spread = turn_ratios({"plain": [1.0] * 5, "other": [1.0, 1.1, 1.2, 1.3, 1.4]}, "plain")
+    assert spread["other"].median == pytest.approx(1.2)
+    assert spread["other"].lower_quartile == pytest.approx(1.05)
+    assert spread["other"].upper_quartile == pytest.approx(1.35)
+
+
+def test_step_time_ratios_take_the_steps_in_turns_after_untimed_ones():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("plain", "other")}
+    ratios = msg.profiling.step_time_ratios(steps, "plain", turns=3, warmup=2)
+    assert calls == ["plain", "other"] * 5
+    assert set(ratios) == {"plain", "other"} and ratios["plain"].median == 1.0
+    with pytest.raises(ValueError, match="reference 'base' is not one of the steps"):
+        msg.profiling.step_time_ratios(steps, "base")
+    with pytest.raises(ValueError, match="turns must be at least 1"):
+        msg.profiling.step_time_ratios(steps, "plain", turns=0)
 
 
 @pytest.mark.parametrize("n", [5, 10])

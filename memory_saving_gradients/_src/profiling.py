@@ -10,6 +10,7 @@ each configuration in a fresh Session.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -57,6 +58,43 @@ def interleaved_step_times(
             run_step()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeRatio:
+    """A step's time over a reference step's, from steps taken in turns: the median of each
+    turn's ratio, and the quartiles around it (how far the machine moved it)."""
+
+    median: float
+    lower_quartile: float
+    upper_quartile: float
+
+
+def step_time_ratios(
+    steps: Mapping[str, Callable[[], object]], reference: str, turns: int = 15, warmup: int = 1
+) -> dict[str, TimeRatio]:
+    """Each step's time over `reference`'s, measured in turns (`interleaved_step_times`):
+    `warmup` turns run untimed first, then each of `turns` turns divides a step's time by the
+    reference's in that turn. A turn's steps run seconds apart, under the same load, so the
+    ratios of one turn share its drift; their median moves less than a ratio of medians does
+    where load comes and goes (two steps of one process on a busy machine)."""
+    if reference not in steps:
+        raise ValueError(f"reference {reference!r} is not one of the steps {sorted(steps)}.")
+    if turns < 1:
+        raise ValueError(f"turns must be at least 1, got {turns}.")
+    times = interleaved_step_times(steps, warmup + turns)
+    return turn_ratios({name: taken[warmup:] for name, taken in times.items()}, reference)
+
+
+def turn_ratios(times: Mapping[str, list[float]], reference: str) -> dict[str, TimeRatio]:
+    """`TimeRatio`s of steps timed in turns (`times[name][i]`: turn i's seconds of a step)
+    over the `reference` step's."""
+    ratios = {}
+    for name, taken in times.items():
+        each = sorted(t / r for t, r in zip(taken, times[reference], strict=True))
+        quartiles = statistics.quantiles(each, n=4) if len(each) > 1 else [each[0]] * 3
+        ratios[name] = TimeRatio(statistics.median(each), quartiles[0], quartiles[2])
+    return ratios
 
 
 def measure_costs(

@@ -10,7 +10,8 @@ its own, as a user training one model has it: TensorFlow's allocator keeps the b
 process's earlier steps grew and hands a request a free block of up to twice its size
 whole, so a step run after a larger one (plain) can read more than it needs. The "shared"
 column reads the same peak in one process after plain and the methods before it, where
-every step is also timed: the medians of steps taken in turns, over plain's. The predicted
+every step is also timed in turns with plain's: the median of the turns' ratios to plain, and
+their middle half, which shows how far the machine moved them. The predicted
 ratio is the plan's (`model.checkpoint_plan`): `step_peak_bytes / plain_peak_bytes`.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 from typing import Any
 
 from memory_saving_gradients.cli.suites import isolated, plots
@@ -89,7 +89,7 @@ QUICK = (Workload("residual", 4, 8, 32, 8),)
 
 def run(page: Page, quick: bool, device: str) -> None:
     workloads = QUICK if quick else FULL
-    steps, repeats = (2, 2) if quick else (3, 5)
+    steps, turns = (2, 2) if quick else (3, 15)
     page.text(
         f"`train_on_batch`, float32, on {device}. *MiB*: the largest activation peak of "
         f"{steps} steps after the first, in a process of its own; *shared*: the same in one "
@@ -97,16 +97,25 @@ def run(page: Page, quick: bool, device: str) -> None:
         "backprop's as simulated (which counts the attention matrix per block that "
         "TensorFlow's own optimizers make plain backprop hold where attention scales its "
         "logits after the query-key product: docs/internals/memory-model.md); *time*: the "
-        f"median of {repeats} steps taken in turns, over plain's."
+        f"median over {turns} turns of a step's time over plain's in the same turn, and "
+        "*middle half* the quartiles of those ratios."
     )
     for workload in workloads:
         progress(f"fit: {workload.describe()}")
         page.text(f"## {workload.describe()}")
         methods = ("speed", "memory") if quick else workload.methods
-        rows = measure(workload, ["plain", *methods], steps, repeats, device)
+        rows = measure(workload, ["plain", *methods], steps, turns, device)
         plain = rows[0]
         page.table(
-            ["method", "MiB", "/ plain", "predicted", "shared / plain", "time / plain"],
+            [
+                "method",
+                "MiB",
+                "/ plain",
+                "predicted",
+                "shared / plain",
+                "time / plain",
+                "middle half",
+            ],
             [
                 [
                     _label(row["method"]),
@@ -114,15 +123,13 @@ def run(page: Page, quick: bool, device: str) -> None:
                     f"{row['peak'] / plain['peak']:.2f}",
                     number(row["predicted"]),
                     f"{row['shared'] / plain['shared']:.2f}",
-                    f"{row['time'] / plain['time']:.2f}x",
+                    f"{row['time'].median:.2f}x",
+                    f"{row['time'].lower_quartile:.2f}-{row['time'].upper_quartile:.2f}x",
                 ]
                 for row in rows
             ],
         )
-        points = [
-            (_label(r["method"]), r["peak"] / plain["peak"], r["time"] / plain["time"])
-            for r in rows
-        ]
+        points = [(_label(r["method"]), r["peak"] / plain["peak"], r["time"].median) for r in rows]
         title = f"Keras fit, {workload.describe()}"
         page.plot(
             workload.slug,
@@ -132,10 +139,11 @@ def run(page: Page, quick: bool, device: str) -> None:
 
 
 def measure(
-    workload: Workload, methods: list[str], steps: int, repeats: int, device: str
+    workload: Workload, methods: list[str], steps: int, turns: int, device: str
 ) -> list[dict[str, Any]]:
-    """Each method's peak alone (a fresh interpreter each), shared and timed here."""
-    from memory_saving_gradients.profiling import interleaved_step_times
+    """Each method's peak alone (a fresh interpreter each), shared and timed here, in turns
+    with the first method's."""
+    from memory_saving_gradients.profiling import step_time_ratios
 
     fields = dataclasses.asdict(workload)
     alone = {
@@ -148,12 +156,12 @@ def measure(
     for method in methods:
         runs[method] = _train_step(workload, method)[1]
         shared[method] = _worst_peak(runs[method], steps, device)
-    times = interleaved_step_times(runs, 1 + repeats)
+    times = step_time_ratios(runs, methods[0], turns)
     return [
         {
             "method": method,
             "shared": shared[method],
-            "time": statistics.median(times[method][1:]),
+            "time": times[method],
             **alone[method],
         }
         for method in methods
