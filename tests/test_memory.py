@@ -30,7 +30,13 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 import memory_saving_gradients as msg
 from memory_saving_gradients._src.profiling import turn_ratios
 from memory_saving_gradients.profiling import TimeRatio, peak_memory
-from tests.helpers import one_level, original_of, recomputed_copies, run_python
+from tests.helpers import (
+    assert_same_gradients,
+    one_level,
+    original_of,
+    recomputed_copies,
+    run_python,
+)
 
 tf1 = tf.compat.v1
 MB = 250_000
@@ -822,3 +828,81 @@ def test_a_keras_models_name_decides_what_its_plain_step_holds_and_the_predictio
     assert zeta[1] >= zeta[2] == alpha[2], (alpha, zeta)
     assert alpha[0] > zeta[0], (alpha, zeta)
     assert abs(alpha[1] / alpha[0] - 1) <= 0.15, alpha
+
+
+MiB = 2**20
+
+
+def _dropped_attention_loss(weights, x, seed, dropout):
+    """Attention-like blocks whose probabilities go through `dropout(p, block, seed)`: the
+    seed read from a variable, as Keras's seed generators have it (a constant seed would let
+    graph optimizers fold the draw into a constant)."""
+    h = x
+    for block, w in enumerate(weights):
+        q = tf.einsum("bhld,de->bhle", h, w)
+        p = dropout(tf.nn.softmax(tf.matmul(q, h, transpose_b=True)), block, seed)
+        h = h + tf.matmul(p, q)
+    return tf.reduce_sum(h * h)
+
+
+def _dropped_attention_steps(dropout):
+    """Plain gradients, 'memory's plan, and that plan holding its masks, of twelve blocks of
+    (4, 4, 256, 256) probabilities, each dropped out with a 1 MiB mask."""
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.normal(size=(32, 32)).astype("f4") * 0.2) for _ in range(12)]
+    x = tf.constant(rng.normal(size=(4, 4, 256, 32)).astype("f4"))
+    seed = tf.Variable([3, 4], dtype=tf.int64)
+    plans = {}
+
+    def step(method):
+        @tf.function
+        def gradients():
+            loss = _dropped_attention_loss(weights, x, seed.read_value(), dropout)
+            if method == "plain":
+                return tf.gradients(loss, weights)
+            plan = msg.plan(loss, weights, checkpoints="memory", gradients_held=True)
+            if method == "held":  # the same checkpoints, the masks held from the forward pass
+                plan = msg.Plan(plan._view, plan.levels, plan.strategy, saved=plan.saved)
+            plans[method] = plan
+            return msg.gradients(loss, weights, checkpoints=plan, gradients_held=True)
+
+        return gradients
+
+    return {method: step(method) for method in ("plain", "memory", "held")}, plans
+
+
+@pytest.mark.tf2_only
+def test_memory_draws_stateless_dropout_masks_again_rather_than_hold_them():
+    """NOTE [masks made again]: a stateless dropout's mask is drawn again from its key and
+    counter where its select is recomputed, with the same bits, so backprop holds the masks
+    of the blocks it recomputes instead of twelve from the forward pass."""
+    steps, plans = _dropped_attention_steps(
+        lambda p, block, seed: tf.nn.experimental.stateless_dropout(p, 0.1, seed=seed + block)
+    )
+    got = {method: [g.numpy() for g in step()] for method, step in steps.items()}
+    assert_same_gradients(got["plain"], got["memory"])
+    assert_same_gradients(got["plain"], got["held"])
+    assert len(plans["memory"].remade) == 12 and plans["held"].remade == ()
+    assert "draws 12 tensors again" in str(plans["memory"])
+    peaks = {
+        method: min(peak_memory(step) for _ in range(3)) / MiB for method, step in steps.items()
+    }
+    assert peaks["memory"] <= peaks["held"] - 2, peaks
+    predicted = plans["memory"].peak_bytes / MiB
+    assert predicted <= plans["held"].peak_bytes / MiB - 3
+    assert predicted == pytest.approx(peaks["memory"], rel=0.15), (predicted, peaks)
+
+
+@pytest.mark.tf2_only
+def test_a_stateful_dropouts_mask_is_held_not_drawn_again():
+    """`tf.nn.dropout` draws with a stateful op, which would draw other bits a second time:
+    its mask stays held, and the gradients are TensorFlow's."""
+    steps, plans = _dropped_attention_steps(
+        lambda p, block, seed: tf.nn.dropout(p, 0.1, seed=block)
+    )
+    tf.random.set_seed(0)
+    plain = [g.numpy() for g in steps["plain"]()]
+    tf.random.set_seed(0)
+    memory = [g.numpy() for g in steps["memory"]()]
+    assert_same_gradients(plain, memory)
+    assert plans["memory"].remade == ()

@@ -18,7 +18,7 @@ from functools import cached_property
 import tensorflow as tf
 
 from memory_saving_gradients._src import _tf
-from memory_saving_gradients._src.analysis import kernels
+from memory_saving_gradients._src.analysis import kernels, queries
 from memory_saving_gradients._src.analysis.gradient_uses import GradientUse
 from memory_saving_gradients._src.analysis.view import VARIABLE_READS, ForwardView, is_weight_value
 
@@ -44,8 +44,14 @@ class Execution:
         resident before the step and never recomputed, each is alive from the forward pass
         until its readers' gradients have read it. One of each set that identical ops compute
         (NOTE [identical ops are merged])."""
+        return tuple(group[0] for group in self.made_outside_groups)
+
+    @cached_property
+    def made_outside_groups(self) -> tuple[tuple[tf.Tensor, ...], ...]:
+        """Each of `made_outside` with the tensors identical ops compute, which the step
+        holds in one buffer (NOTE [identical ops are merged])."""
         view = self.view
-        found: dict[object, tf.Tensor] = {}
+        found: dict[int, dict[object, tf.Tensor]] = {}
         computation = _Computations()
         for op in view.ops:
             for t in op.inputs:
@@ -55,8 +61,45 @@ class Execution:
                     and t.dtype not in (tf.resource, tf.variant)
                     and _allocated_in_step(t)
                 ):
-                    found.setdefault(computation.of(t), t)
-        return tuple(found.values())
+                    found.setdefault(computation.of(t), {}).setdefault(t.ref(), t)
+        return tuple(tuple(group.values()) for group in found.values())
+
+    @cached_property
+    def remakeable(self) -> dict[object, tuple[tf.Operation, ...]]:
+        """Of the tensors the view's ops read that the step makes outside the view (each of
+        `made_outside` and those identical to one), by `ref()`, those backprop can make again
+        where it recomputes their readers, with the ops that make them, in order (NOTE [masks
+        made again]): not under XLA, which fuses the draw into its readers."""
+        view = self.view
+        if view.ys and _tf.compiled_by_xla(view.ys[0].graph):
+            return {}
+        found: dict[object, tuple[tf.Operation, ...]] = {}
+        for op in view.ops:
+            for t in op.inputs:
+                if t.ref() in found or t.op in view.position or view.is_x(t):
+                    continue
+                if kernels.tensor_bytes(t) >= REMADE_FROM_BYTES and _allocated_in_step(t):
+                    ops = _ops_remaking(t)
+                    if ops is not None:
+                        found[t.ref()] = ops
+        return found
+
+    def drawn_after(
+        self, tensor: tf.Tensor, ops: frozenset[tf.Operation]
+    ) -> tuple[tf.Operation, ...]:
+        """The ops of `ops` (a recomputed segment's) whose copies the copies drawing
+        `tensor` again (`remakeable`) wait for: those one before its first reader among
+        `ops`, as weight ops wait (NOTE [weight ops wait for their readers]), so that the draw
+        runs beside its readers, not as the step starts; none that `tensor` leads to."""
+        view = self.view
+        readers = sorted((op for op in tensor.consumers() if op in ops), key=view.order)
+        if not readers:
+            return ()
+        made = [t.op for t in readers[0].inputs if t.op in ops]
+        before = tuple(dict.fromkeys(t.op for op in made for t in op.inputs if t.op in ops))
+        if set(before) & queries.forward_ops([tensor], ops):
+            return ()
+        return before
 
     @cached_property
     def products_ahead(self) -> dict[tf.Operation, tf.Tensor]:
@@ -313,6 +356,58 @@ def _allocated_in_step(tensor: tf.Tensor) -> bool:
         tensor = tensor.op.inputs[0]
     op = tensor.op
     return bool(op.inputs) and op.type not in kernels.RESIDENT and not is_weight_value(tensor)
+
+
+# NOTE [masks made again]: a dropout's mask is drawn outside the view, from a seed no x leads
+# to, and backprop reads it where it differentiates the select that applied it: held from the
+# forward pass to there, one mask of batch by heads by length squared per attention block
+# (Keras's attention dropout, keras-hub's GPT-2), whatever the plan recomputes. Keras draws it
+# with stateless random ops, which give the same bits from the same key and counter: a step
+# recomputing the select can draw the mask again from those few bytes, so the forward pass
+# lets it go once its forward readers have run. A tensor is made again where every op making
+# it (back to constants, the step's inputs, and tensors of at most `REMADE_FROM_SMALL_BYTES`,
+# read as they were made) is stateless, reads no resource and is in no TF1 control flow: a
+# draw of `tf.random.uniform` (stateful) or a mask read from a variable stays held.
+#: Tensors made outside the view of fewer bytes are held, not made again.
+REMADE_FROM_BYTES = 1 << 16
+#: Tensors of at most this many bytes are read as the forward pass made them (keys, counters,
+#: shapes): what a mask is made again from.
+REMADE_FROM_SMALL_BYTES = 1 << 10
+#: Op types that hold a function or control flow: never made again.
+_NOT_REMADE = frozenset(
+    {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While",
+     "StatelessWhile", "Case", "StatelessCase"}
+)  # fmt: skip
+_INPUTS = frozenset({"Placeholder", "Const"})
+
+
+def _ops_remaking(tensor: tf.Tensor) -> tuple[tf.Operation, ...] | None:
+    """The ops making `tensor` again, in topological order, from what they read that is
+    resident or small; None where one of them may not run twice (NOTE [masks made again])."""
+    ops: dict[tf.Operation, None] = {}
+    pending = [tensor.op]
+    while pending:
+        op = pending.pop()
+        if op in ops:
+            continue
+        if (
+            _tf.is_stateful(op)
+            or op.type in _NOT_REMADE
+            or op.control_inputs
+            or _tf.in_v1_control_flow(op)
+            or any(t.dtype in (tf.resource, tf.variant) for t in op.inputs)
+        ):
+            return None
+        ops[op] = None
+        pending.extend(
+            t.op
+            for t in op.inputs
+            if t.op.type not in _INPUTS
+            and not (
+                t.shape.is_fully_defined() and kernels.tensor_bytes(t) <= REMADE_FROM_SMALL_BYTES
+            )
+        )
+    return tuple(sorted(ops, key=_tf.creation_index))
 
 
 # NOTE [products ahead in plain backprop]: TensorFlow's graph optimizers reassociate a chain

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis import costs, kernels, queries
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import simulation
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment
@@ -30,6 +31,10 @@ class Plan:
         recomputed, one tuple per level, outermost first; empty for one level.
       saved: tensors kept inside segments (selective recomputation): their ops are not run
         again, the cheap ops around them are; they cut nothing (`schedule`).
+      remade: masks made outside the forward graph (dropout's, drawn by stateless random
+        ops) that backprop draws again where it recomputes their readers, rather than hold
+        them from the forward pass (NOTE [masks made again] in analysis/execution.py); made
+        again only by plans that `remake_outside` ('memory's).
       strategy: what chose them.
       peak_bytes: the predicted activation peak of a step with this plan (bytes above what is
         resident before it: variables, inputs).
@@ -56,8 +61,10 @@ class Plan:
         strategy: str,
         plain_peak_bytes: int | None = None,
         saved: Sequence[tf.Tensor] = (),
+        remake_outside: bool = False,
     ) -> None:
         self._view = view
+        self.remake_outside = remake_outside
         self.checkpoints: tuple[tf.Tensor, ...] = tuple(levels[0]) if levels else ()
         self.nested: tuple[tuple[tf.Tensor, ...], ...] = tuple(
             tuple(level) for level in levels[1:] if level
@@ -70,14 +77,35 @@ class Plan:
     @functools.cached_property
     def schedule(self) -> Schedule:
         """The schedule of backprop keeping `checkpoints`, with `nested` inside its steps."""
-        return Schedule.build(self._view, self.checkpoints, self.nested, self.saved)
+        return Schedule.build(
+            self._view, self.checkpoints, self.nested, self.saved, self.remake_outside
+        )
 
     def schedule_on(self, view: ForwardView) -> Schedule:
         """The schedule of this plan on `view`, a view of the ys and xs it was made for (the
         xs perhaps in another order, for which gradients come in that order)."""
         if view is self._view:
             return self.schedule
-        return Schedule.build(view, self.checkpoints, self.nested, self.saved)
+        return Schedule.build(view, self.checkpoints, self.nested, self.saved, self.remake_outside)
+
+    @property
+    def remade(self) -> tuple[tf.Tensor, ...]:
+        return tuple(self.schedule.remade.values())
+
+    def remaking_outside(self) -> Plan:
+        """This plan, drawing again the masks made outside the forward graph that only its
+        recomputed ops read (`remade`): a step holds none of them from the forward pass, for
+        the time their draws take again."""
+        if self.remake_outside:
+            return self
+        return Plan(
+            self._view,
+            self.levels,
+            self.strategy,
+            self.plain_peak_bytes,
+            self.saved,
+            remake_outside=True,
+        )
 
     @property
     def levels(self) -> tuple[tuple[tf.Tensor, ...], ...]:
@@ -200,6 +228,11 @@ class Plan:
             f"  predicted activation peak {peak / MIB:.1f} MiB with it, "
             f"{plain / MIB:.1f} MiB without ({peak / plain if plain else 1:.2f} of plain)",
             f"  recomputes {self.recompute_flops_fraction:.2f} of the forward compute",
+            *(
+                [f"  draws {_count(self.remade)} again: masks made outside the forward graph"]
+                if self.checkpoints and self.remade
+                else []
+            ),
             f"  costs: {self._costs_line()}",
         ]
         if self.checkpoints and not self.pays:
@@ -234,9 +267,23 @@ def _recomputed(schedule: Schedule, cost: dict[tf.Operation, costs.OpCost]) -> f
     total = 0.0
     for step in schedule.steps:
         total += sum(cost[op].compute for op in _run_again(schedule.view, step.segment))
+        total += _remaking(schedule, step.segment)
         if step.inner is not None:
             total += _recomputed(step.inner, cost)
     return total
+
+
+def _remaking(schedule: Schedule, segment: Segment) -> float:
+    """The compute of drawing again the masks `segment`'s copies read (`Schedule.remade`):
+    FLOPs, or the kernel seconds measured for the ops that drew them in the plain step."""
+    view = schedule.view
+    remakeable = execution_of(view).remakeable
+    read = {t.ref() for op in segment.ops for t in op.inputs} & schedule.remade.keys()
+    ops = {op for ref in read for op in remakeable[ref]}
+    if view.measured is None:
+        return sum(costs.flops(op) for op in ops)
+    kernels_run = view.measured.kernels
+    return sum(kernels_run[op.name].seconds for op in ops if op.name in kernels_run)
 
 
 def _run_again(view: ForwardView, segment: Segment) -> list[tf.Operation]:

@@ -31,6 +31,7 @@ import tensorflow as tf
 from toposort import toposort
 
 from memory_saving_gradients._src.analysis import queries
+from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 
 
@@ -116,6 +117,8 @@ class Schedule:
       segments: the segment behind each boundary op.
       steps: the steps in backprop order; the segments of a step share ops, so they are
         differentiated together.
+      remade: tensors made outside the view that the steps make again for the copies
+        reading them, by `ref()` (NOTE [masks made again] in analysis/execution.py).
     """
 
     view: ForwardView
@@ -125,6 +128,7 @@ class Schedule:
     segments: dict[tf.Operation, Segment]
     steps: tuple[Step, ...]
     saved: dict[object, tf.Tensor] = dataclasses.field(default_factory=dict)
+    remade: dict[object, tf.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(
@@ -133,11 +137,14 @@ class Schedule:
         checkpoints: Sequence[tf.Tensor],
         nested: Sequence[Sequence[tf.Tensor]] = (),
         saved: Sequence[tf.Tensor] = (),
+        remake_outside: bool = False,
     ) -> Schedule:
         """The schedule of backprop keeping `checkpoints`, and inside each step whose segment
         holds checkpoints of `nested[0]`, only those while it is recomputed (and so on for
         each further level of `nested`); `saved` tensors are kept inside segments (one level
-        only: a nested recomputation would have to read them through its outer step)."""
+        only: a nested recomputation would have to read them through its outer step). With
+        `remake_outside`, masks made outside the view that only recomputed ops read are
+        made again by the steps recomputing them (`remade`)."""
         if saved and nested:
             raise ValueError("Tensors saved inside segments need a plan of one level.")
         boundaries = _boundaries(view, [*checkpoints, *view.must_keep, *view.reused])
@@ -157,10 +164,28 @@ class Schedule:
             for group in _independent_groups(level, segments, view.order)
         ]
         last = Segment.behind([y.op for y in view.ys], view, is_boundary)
-        return cls(view, tuple(checkpoints), boundaries, last, segments, tuple(steps), kept)
+        remade = _remade(view, steps, last) if remake_outside else {}
+        return cls(
+            view, tuple(checkpoints), boundaries, last, segments, tuple(steps), kept, remade
+        )
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
+
+
+def _remade(view: ForwardView, steps: Sequence[Step], last: Segment) -> dict[object, tf.Tensor]:
+    """The tensors made outside `view` that can be made again (`Execution.remakeable`)
+    whose readers in the view the `steps` all recompute: the forward pass's own readers are
+    then the last, and no gradient of theirs reads the tensor."""
+    copied = frozenset().union(*(step.segment.ops for step in steps)) - last.ops
+    remakeable = execution_of(view).remakeable
+    return {
+        t.ref(): t
+        for op in view.ops
+        for t in op.inputs
+        if t.ref() in remakeable
+        and all(reader in copied for reader in t.consumers() if reader in view.position)
+    }
 
 
 def saveable(view: ForwardView, tensor: tf.Tensor) -> bool:

@@ -319,13 +319,20 @@ def _run(
                 for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
             }
             recompute_scope = f"{scope}recompute_{depth}/"  # NOTE [names of recomputed ops]
+            remaking = _remaking(schedule, segment)
             copies = editor.copy_ops(
-                sorted(segment.ops, key=view.position.__getitem__),
+                [*remaking, *sorted(segment.ops, key=view.position.__getitem__)],
                 recompute_scope,
                 gated,
                 values.copies,
                 stand_in=functools.partial(_saved_in, saved),
                 waits=waits,
+            )
+            _draw_in_step(
+                schedule,
+                segment,
+                copies,
+                [t.op for t in gated_reads] or [t.op for t in _flat(incoming)],
             )
             targets = _targets(segment, gated, values)
             if step.inner is not None:
@@ -453,6 +460,39 @@ def _saved_in(
             [read[t.ref()] for t in frontier],
             reads_output,
         )
+
+
+def _remaking(schedule: Schedule, segment: Segment) -> list[tf.Operation]:
+    """The ops drawing again the masks made outside the view that `segment`'s copies read
+    (`Schedule.remade`; NOTE [masks made again] in analysis/execution.py), in order."""
+    remakeable = execution_of(schedule.view).remakeable
+    ops = {op for t in _remade_in(schedule, segment) for op in remakeable[t.ref()]}
+    return sorted(ops, key=_tf.creation_index)
+
+
+def _remade_in(schedule: Schedule, segment: Segment) -> list[tf.Tensor]:
+    """The tensors of `Schedule.remade` that `segment`'s copies read."""
+    found = {t.ref(): t for op in segment.ops for t in op.inputs if t.ref() in schedule.remade}
+    return list(found.values())
+
+
+def _draw_in_step(
+    schedule: Schedule,
+    segment: Segment,
+    copies: Mapping[tf.Operation, tf.Operation],
+    step_started: Sequence[tf.Operation],
+) -> None:
+    """Make the first copies drawing each mask again wait for the copies one before its
+    first reader (`Execution.drawn_after`), or for `step_started` (the step's gate) where
+    there are none: they read only what the forward pass made, and the executor would
+    otherwise draw every mask of the step as it starts, or in the forward pass, and hold it."""
+    execution = execution_of(schedule.view)
+    for tensor in _remade_in(schedule, segment):
+        drawing = set(execution.remakeable[tensor.ref()])
+        after = [copies[op] for op in execution.drawn_after(tensor, segment.rerun)]
+        for op in drawing:
+            if not any(t.op in drawing for t in op.inputs):
+                _tf.add_control_inputs(copies[op], after or step_started)
 
 
 def _copied(tensors: Sequence[tf.Tensor], copies: dict) -> list[tf.Tensor]:

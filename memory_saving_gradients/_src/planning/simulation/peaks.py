@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
@@ -86,33 +86,43 @@ def _checkpointed(run: Simulator, schedule: Schedule) -> int:
     for step in schedule.steps:
         _add(uses, run.uses(run.positions(step.segment.originals)))
         _add(uses, run.tensor_ids(_read_from_before(step.segment)))
-    run.made_outside()
+    run.made_outside(schedule.remade)
     run.forward(run.forward_order(), (ORIGINAL,), uses)
     run.seed()
     run.differentiate(last, (ORIGINAL,))
-    _steps(run, schedule.steps, (ORIGINAL,))
+    _steps(run, schedule.steps, (ORIGINAL,), schedule.remade)
     return run.ledger.peak
 
 
-def _steps(run: Simulator, steps: Sequence[Step], outer: tuple[int, ...]) -> None:
-    """Simulate `steps`, whose boundaries live at the levels of `outer`."""
+def _steps(
+    run: Simulator,
+    steps: Sequence[Step],
+    outer: tuple[int, ...],
+    remade: Collection[object] = (),
+) -> None:
+    """Simulate `steps`, whose boundaries live at the levels of `outer`; each makes again
+    the tensors of `remade` (made outside the view, by `ref()`) that its copies read."""
     frontiers = [run.tensor_ids(_read_from_before(step.segment)) for step in steps]
     last_read = {t: j for j, frontier in enumerate(frontiers) for t in frontier}
     for j, (step, frontier) in enumerate(zip(steps, frontiers, strict=True)):
         chain = (run.ledger.new_level(), *outer)
         inherited = frozenset(t for t in frontier if last_read[t] == j)
         segment = step.segment
+        rerun = run.positions(segment.rerun)
+        remade_here = run.remake(rerun, remade) if remade else []
         if step.inner is not None:
             _nested_step(run, step, step.inner, chain, frontier, inherited)
         else:
             copied = run.positions(segment.ops)
-            rerun = run.positions(segment.rerun)
             released = inherited | run.gate_copies(frontier, rerun, chain, inherited)
             run.forward(rerun, chain, run.uses(copied), released)
+            run.drawn_before.clear()  # draws whose readers' copies did not run
             run.differentiate(_ops_of(run, segment), chain, copied, released)
         for t in frontier:
             if t not in inherited:
                 run.ledger.release(run.ledger.buffer(t, outer))
+        for buffer in remade_here:
+            run.ledger.release(buffer)
 
 
 def _nested_step(
@@ -139,6 +149,7 @@ def _nested_step(
         for t in run.tensor_ids(t for t in s.segment.frontier if t.op not in segment.ops):
             run.ledger.hold(run.ledger.buffer(t, chain))
     run.forward(recomputed, chain, uses, released)
+    run.drawn_before.clear()  # draws whose readers' copies did not run
     run.differentiate(last, chain, recomputed, released)
     _steps(run, steps, chain)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -85,19 +85,56 @@ class Simulator:
         self.expected = list(self.ids.gradient_parts)
         #: Where gradients are applied as they complete: the readers not differentiated yet
         #: of each tensor whose gradient is an x's.
+        #: Buffers of tensors made outside the view to release once the forward pass has run
+        #: the op at a position (`made_outside`).
+        self.released_after: dict[int, list[Buffer]] = {}
+        #: What a step makes again just before its copy of the op at a position runs: the
+        #: bytes, those drawn on the way, and where to keep its buffer (`remake`).
+        self.drawn_before: dict[int, list[tuple[int, int, list[Buffer]]]] = {}
         self.readers_left: dict[int, int] = (
             {}
             if view.gradients_held
             else {t: self.ids.readers[t] for t in self.tensor_ids(self.execution.gradients_of_xs)}
         )
 
-    def made_outside(self) -> None:
+    def made_outside(self, remade: Mapping[object, tf.Tensor] | None = None) -> None:
         """Hold what the step makes outside the view for the view's ops (`Execution.
         made_outside`) from its start to its end: it needs nothing the view makes, so the
         executor makes it as the step starts (a dropout's mask, from the seed the step reads),
-        and the gradients of its readers read it (a select's reads its condition)."""
-        for tensor in self.execution.made_outside:
-            self.ledger.new(kernels.tensor_bytes(tensor))
+        and the gradients of its readers read it (a select's reads its condition). What the
+        steps make again (`remade`, by `ref()`) lives until its last reader in the forward
+        pass has run (`forward`)."""
+        position = self.view.position
+        remade = remade or {}
+        for group in self.execution.made_outside_groups:
+            buffer = self.ledger.new(kernels.tensor_bytes(group[0]))
+            if all(t.ref() in remade for t in group):
+                last = max(position[op] for t in group for op in t.consumers() if op in position)
+                self.released_after.setdefault(last, []).append(buffer)
+
+    def remake(self, ops: Sequence[int], remade: Collection[object]) -> list[Buffer]:
+        """Make again the tensors made outside the view that `ops` (the ops a step runs
+        again, in order) read and that the step makes again (`remade`): one buffer for each
+        set that identical ops compute, with the largest tensor drawn on the way alive beside
+        it, once `forward` reaches the first reader's copy (the draw waits for the copies one
+        before it: `Execution.drawn_after`). Returns the list of their buffers, filled as they
+        are made, which the step releases as it ends."""
+        view, execution = self.view, self.execution
+        read = {t.ref() for op in ops for t in view.ops[op].inputs if t.ref() in remade}
+        made: list[Buffer] = []
+        for group in execution.made_outside_groups:
+            found = {t.ref(): t for t in group if t.ref() in read}
+            if not found:
+                continue
+            drawing = execution.remakeable[next(iter(found))]
+            drawn = max(
+                (kernels.tensor_bytes(o) for op in drawing[:-1] for o in op.outputs), default=0
+            )
+            first = min(op for op in ops if any(t.ref() in found for t in view.ops[op].inputs))
+            self.drawn_before.setdefault(first, []).append(
+                (kernels.tensor_bytes(group[0]), drawn, made)
+            )
+        return made
 
     def seed(self) -> None:
         """The gradients of the ys: given ones, or ones graph optimizers fold into constants."""
@@ -186,6 +223,9 @@ class Simulator:
                 if t in owned:
                     readers[t] = readers.get(t, 0) + 1
         for op in ops:
+            for size, drawn, made_here in self.drawn_before.pop(op, ()):
+                made_here.append(ledger.new(size))
+                ledger.working(drawn)
             cost, inputs = self.cost[op], all_inputs[op]
             dying = [
                 ledger.buffer(t, chain)
@@ -208,6 +248,8 @@ class Simulator:
             for t in all_outputs[op]:
                 if t not in readers:
                     ledger.release(at_level[t])
+            for buffer in self.released_after.pop(op, ()):
+                ledger.release(buffer)
 
     def _output_buffer(
         self,
