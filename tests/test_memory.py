@@ -861,8 +861,8 @@ def _dropped_attention_steps(dropout):
             if method == "plain":
                 return tf.gradients(loss, weights)
             plan = msg.plan(loss, weights, checkpoints="memory", gradients_held=True)
-            if method == "held":  # the same checkpoints, the masks held from the forward pass
-                plan = msg.Plan(plan._view, plan.levels, plan.strategy, saved=plan.saved)
+            if method == "memory":  # on a CPU, 'memory' holds them unless asked
+                plan = plan.remaking_outside()
             plans[method] = plan
             return msg.gradients(loss, weights, checkpoints=plan, gradients_held=True)
 
@@ -875,7 +875,8 @@ def _dropped_attention_steps(dropout):
 def test_memory_draws_stateless_dropout_masks_again_rather_than_hold_them():
     """NOTE [masks made again]: a stateless dropout's mask is drawn again from its key and
     counter where its select is recomputed, with the same bits, so backprop holds the masks
-    of the blocks it recomputes instead of twelve from the forward pass."""
+    of the blocks it recomputes instead of twelve from the forward pass. 'memory' does so on
+    GPUs, and on CPUs where asked (`Plan.remaking_outside`)."""
     steps, plans = _dropped_attention_steps(
         lambda p, block, seed: tf.nn.experimental.stateless_dropout(p, 0.1, seed=seed + block)
     )
@@ -906,3 +907,34 @@ def test_a_stateful_dropouts_mask_is_held_not_drawn_again():
     memory = [g.numpy() for g in steps["memory"]()]
     assert_same_gradients(plain, memory)
     assert plans["memory"].remade == ()
+
+
+@pytest.mark.tf2_only
+def test_memory_draws_masks_again_where_a_gpu_draws_them():
+    """A draw costs a CPU a pass of its generator per element: there 'memory' holds the
+    masks; where the ops are placed on a GPU it draws them again (planned only: soft placement
+    would run them on this machine's CPU)."""
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.normal(size=(32, 32)).astype("f4") * 0.2) for _ in range(12)]
+    x = tf.constant(rng.normal(size=(4, 4, 256, 32)).astype("f4"))
+    seed = tf.Variable([3, 4], dtype=tf.int64)
+    remade = {}
+    for device in ("/CPU:0", "/GPU:0"):
+
+        @tf.function
+        def plan(device=device):
+            with tf.device(device):
+                loss = _dropped_attention_loss(
+                    weights,
+                    x,
+                    seed.read_value(),
+                    lambda p, block, seed: tf.nn.experimental.stateless_dropout(
+                        p, 0.1, seed=seed + block
+                    ),
+                )
+            chosen = msg.plan(loss, weights, checkpoints="memory", gradients_held=True)
+            remade[device] = len(chosen.remade)
+            return loss
+
+        plan.get_concrete_function()
+    assert remade == {"/CPU:0": 0, "/GPU:0": 12}

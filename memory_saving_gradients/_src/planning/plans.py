@@ -34,7 +34,7 @@ class Plan:
       remade: masks made outside the forward graph (dropout's, drawn by stateless random
         ops) that backprop draws again where it recomputes their readers, rather than hold
         them from the forward pass (NOTE [masks made again] in analysis/execution.py); made
-        again only by plans that `remake_outside` ('memory's).
+        again only by plans that `remake_outside` ('memory's on a GPU, `remaking_outside`).
       strategy: what chose them.
       peak_bytes: the predicted activation peak of a step with this plan (bytes above what is
         resident before it: variables, inputs).
