@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memory_saving_gradients._src.analysis import costs, kernels, queries
-from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.planning import simulation
 from memory_saving_gradients._src.planning.schedule import Schedule, Segment
@@ -276,14 +275,11 @@ def _recomputed(schedule: Schedule, cost: dict[tf.Operation, costs.OpCost]) -> f
 def _remaking(schedule: Schedule, segment: Segment) -> float:
     """The compute of drawing again the masks `segment`'s copies read (`Schedule.remade`):
     FLOPs, or the kernel seconds measured for the ops that drew them in the plain step."""
-    view = schedule.view
-    remakeable = execution_of(view).remakeable
-    read = {t.ref() for op in segment.ops for t in op.inputs} & schedule.remade.keys()
-    ops = {op for ref in read for op in remakeable[ref]}
-    if view.measured is None:
+    ops = schedule.drawing_again(segment)
+    measured = schedule.view.measured
+    if measured is None:
         return sum(costs.flops(op) for op in ops)
-    kernels_run = view.measured.kernels
-    return sum(kernels_run[op.name].seconds for op in ops if op.name in kernels_run)
+    return sum(measured.kernels[op.name].seconds for op in ops if op.name in measured.kernels)
 
 
 def _run_again(view: ForwardView, segment: Segment) -> list[tf.Operation]:

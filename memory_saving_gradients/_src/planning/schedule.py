@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import tensorflow as tf
 from toposort import toposort
 
+from memory_saving_gradients._src import _tf
 from memory_saving_gradients._src.analysis import queries
 from memory_saving_gradients._src.analysis.execution import execution_of
 from memory_saving_gradients._src.analysis.view import ForwardView
@@ -171,6 +172,18 @@ class Schedule:
 
     def is_boundary(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.boundaries
+
+    def remade_in(self, segment: Segment) -> list[tf.Tensor]:
+        """The tensors of `remade` that `segment`'s copies read."""
+        found = {t.ref(): t for op in segment.ops for t in op.inputs if t.ref() in self.remade}
+        return list(found.values())
+
+    def drawing_again(self, segment: Segment) -> list[tf.Operation]:
+        """The ops making again the tensors `segment`'s copies read (`remade_in`), in the
+        order they were made (NOTE [masks made again] in analysis/execution.py)."""
+        remakeable = execution_of(self.view).remakeable
+        ops = {op for t in self.remade_in(segment) for op in remakeable[t.ref()]}
+        return sorted(ops, key=_tf.creation_index)
 
 
 def _remade(view: ForwardView, steps: Sequence[Step], last: Segment) -> dict[object, tf.Tensor]:

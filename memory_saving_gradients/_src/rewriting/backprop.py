@@ -319,7 +319,7 @@ def _run(
                 for t, gate in zip(segment.saved, gated_reads[len(read) :], strict=True)
             }
             recompute_scope = f"{scope}recompute_{depth}/"  # NOTE [names of recomputed ops]
-            remaking = _remaking(schedule, segment)
+            remaking = schedule.drawing_again(segment)
             copies = editor.copy_ops(
                 [*remaking, *sorted(segment.ops, key=view.position.__getitem__)],
                 recompute_scope,
@@ -462,20 +462,6 @@ def _saved_in(
         )
 
 
-def _remaking(schedule: Schedule, segment: Segment) -> list[tf.Operation]:
-    """The ops drawing again the masks made outside the view that `segment`'s copies read
-    (`Schedule.remade`; NOTE [masks made again] in analysis/execution.py), in order."""
-    remakeable = execution_of(schedule.view).remakeable
-    ops = {op for t in _remade_in(schedule, segment) for op in remakeable[t.ref()]}
-    return sorted(ops, key=_tf.creation_index)
-
-
-def _remade_in(schedule: Schedule, segment: Segment) -> list[tf.Tensor]:
-    """The tensors of `Schedule.remade` that `segment`'s copies read."""
-    found = {t.ref(): t for op in segment.ops for t in op.inputs if t.ref() in schedule.remade}
-    return list(found.values())
-
-
 def _draw_in_step(
     schedule: Schedule,
     segment: Segment,
@@ -487,7 +473,7 @@ def _draw_in_step(
     there are none: they read only what the forward pass made, and the executor would
     otherwise draw every mask of the step as it starts, or in the forward pass, and hold it."""
     execution = execution_of(schedule.view)
-    for tensor in _remade_in(schedule, segment):
+    for tensor in schedule.remade_in(segment):
         drawing = set(execution.remakeable[tensor.ref()])
         after = [copies[op] for op in execution.drawn_after(tensor, segment.rerun)]
         for op in drawing:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import tensorflow as tf
 
@@ -83,21 +83,21 @@ class Simulator:
         self.parts: dict[int, list[Buffer]] = {}
         #: Parts each tensor is still to receive: one from each op reading it.
         self.expected = list(self.ids.gradient_parts)
-        #: Where gradients are applied as they complete: the readers not differentiated yet
-        #: of each tensor whose gradient is an x's.
         #: Buffers of tensors made outside the view to release once the forward pass has run
         #: the op at a position (`made_outside`).
         self.released_after: dict[int, list[Buffer]] = {}
         #: What a step makes again just before its copy of the op at a position runs: the
         #: bytes, those drawn on the way, and where to keep its buffer (`remake`).
         self.drawn_before: dict[int, list[tuple[int, int, list[Buffer]]]] = {}
+        #: Where gradients are applied as they complete: the readers not differentiated yet
+        #: of each tensor whose gradient is an x's.
         self.readers_left: dict[int, int] = (
             {}
             if view.gradients_held
             else {t: self.ids.readers[t] for t in self.tensor_ids(self.execution.gradients_of_xs)}
         )
 
-    def made_outside(self, remade: Mapping[object, tf.Tensor] | None = None) -> None:
+    def made_outside(self, remade: Collection[object] = ()) -> None:
         """Hold what the step makes outside the view for the view's ops (`Execution.
         made_outside`) from its start to its end: it needs nothing the view makes, so the
         executor makes it as the step starts (a dropout's mask, from the seed the step reads),
@@ -105,7 +105,6 @@ class Simulator:
         steps make again (`remade`, by `ref()`) lives until its last reader in the forward
         pass has run (`forward`)."""
         position = self.view.position
-        remade = remade or {}
         for group in self.execution.made_outside_groups:
             buffer = self.ledger.new(kernels.tensor_bytes(group[0]))
             if all(t.ref() in remade for t in group):
