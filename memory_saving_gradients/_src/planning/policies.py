@@ -162,20 +162,21 @@ def memory(view: ForwardView, label: str) -> Plan:
     (`Plan.remaking_outside` draws them again there too).
     """
     plan = search.as_it_ran_first(search.least_peak(view, label))
-    if _draws_run_on_cpu(view):
+    if not _draws_again(view):
         return plan
     remaking = plan.remaking_outside()
     return remaking if remaking.remade and remaking.peak_bytes < plan.peak_bytes else plan
 
 
-def _draws_run_on_cpu(view: ForwardView) -> bool:
-    """Whether the masks a plan of `view` could draw again (`Plan.remaking_outside`) are drawn by
-    TensorFlow's CPU kernels, where a draw costs a pass of its generator per element: drawing
-    an encoder's attention-dropout masks again took 'memory' from about 1.5x plain's step
-    time to 1.7x on two cores, for a tenth less memory. On a GPU a draw costs about what an
-    element-wise op does."""
+def _draws_again(view: ForwardView) -> bool:
+    """Whether 'memory' weighs drawing masks again (`Plan.remaking_outside`): where `view`
+    reads some that can be, and no CPU kernel draws them. A CPU's draw costs a pass of its
+    generator per element, more than the element-wise ops around it (docs/guide/strategies.md
+    has the measured cost); a GPU's costs about what one of those ops does."""
     remakeable = execution_of(view).remakeable
-    return any(kernels.runs_cpu_kernels(op) for ops in remakeable.values() for op in ops)
+    return bool(remakeable) and not any(
+        kernels.runs_cpu_kernels(op) for ops in remakeable.values() for op in ops
+    )
 
 
 def balanced(view: ForwardView, label: str) -> Plan:
