@@ -891,7 +891,12 @@ def test_memory_draws_stateless_dropout_masks_again_rather_than_hold_them():
     assert peaks["memory"] <= peaks["held"] - 2, peaks
     predicted = plans["memory"].peak_bytes / MiB
     assert predicted <= plans["held"].peak_bytes / MiB - 3
-    assert predicted == pytest.approx(peaks["memory"], rel=0.15), (predicted, peaks)
+    # What the live tensors requested: the allocator's peak adds the fragments that earlier
+    # tests of this process left in its pool.
+    from memory_saving_gradients.cli.suites import trace
+
+    requested = trace.profiled(steps["memory"]).requested_peak / MiB
+    assert predicted == pytest.approx(requested, rel=0.15), (predicted, requested, peaks)
 
 
 @pytest.mark.tf2_only
