@@ -155,6 +155,34 @@ def test_fit_traces_the_step_on_each_batch_shape_and_plans_for_it():
     assert plans[0].plain_peak_bytes == planned(tf.constant(x[:16])).numpy()
 
 
+@pytest.mark.parametrize("build", [residual_mlp, unbuilt_sequential], ids=["built", "unbuilt"])
+def test_an_optimizer_with_slots_is_built_before_the_step_is_planned(build):
+    """Adam makes its slots at its first `apply`, inside the traced step, and a `tf.function`
+    whose first trace makes variables is traced again: every enabled step was planned twice.
+    A built model's optimizer is built first, so its step is traced once; an unbuilt model's
+    is left to Keras and trains as plain fit does either way."""
+    x, y = data()
+    models, traced = [], []
+    for enabled in (False, True):
+        keras.utils.set_random_seed(0)
+        model = build()
+        if enabled:
+            msg.keras.enable(model, checkpoints="memory")
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        if enabled:
+            step = model.train_step
+
+            def train_step(batch, step=step):
+                traced.append(batch[0].shape[0])
+                return step(batch)
+
+            model.train_step = train_step
+        model.fit(x, y["value"], batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert_same_weights(models[1], models[0])
+    assert traced == ([16] if build is residual_mlp else [16, 16])
+
+
 def test_unbuilt_model_several_steps_per_execution():
     (plain, enabled), graphs = fit_both(unbuilt_sequential, epochs=1, steps_per_execution=3)
     assert_recomputes(graphs[-1])

@@ -45,7 +45,11 @@ import tensorflow as tf
 from memory_saving_gradients._src.analysis.measured import MeasuredCosts
 from memory_saving_gradients._src.analysis.view import ForwardView
 from memory_saving_gradients._src.integrations import keras_function, keras_updates
-from memory_saving_gradients._src.integrations.keras_layers import LayerOutputs, layer_outputs
+from memory_saving_gradients._src.integrations.keras_layers import (
+    LayerOutputs,
+    layer_outputs,
+    layers_of,
+)
 from memory_saving_gradients._src.integrations.keras_memory_log import MemoryLog
 from memory_saving_gradients._src.integrations.tape import GradientTape
 from memory_saving_gradients._src.planning.plans import Plan
@@ -287,6 +291,7 @@ def _make_train_function(model: keras.Model, force: bool = False):
     step then cannot save memory."""
     if model.train_function is not None and not force:
         return model.train_function
+    _build_optimizer(model)
     _measure_update_scratch(model)
     if model.run_eagerly:
         logger.warning(
@@ -310,6 +315,7 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
             return _make_train_function(model, force)
         if model.train_function is not None and not force:
             return model.train_function
+        _build_optimizer(model)
         _measure_update_scratch(model)
         # Plain gradients through the tape, named as `tf.gradients` names them, which
         # charges each gradient op to its forward op (`measured`); TensorFlow's own tape
@@ -334,6 +340,18 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
         return first_step
 
     return make_train_function
+
+
+def _build_optimizer(model: keras.Model) -> None:
+    """Make the optimizer's variables before the step is traced, where the model's are made.
+    Keras leaves that to the optimizer's first `apply`, inside the traced step; a
+    `tf.function` whose first trace makes variables is traced again, and the step would be
+    planned twice."""
+    optimizer = model.optimizer
+    if optimizer is None or optimizer.built:
+        return
+    if all(layer.built for layer in layers_of(model)):
+        optimizer.build(model.trainable_variables)
 
 
 def _measure_update_scratch(model: keras.Model) -> None:

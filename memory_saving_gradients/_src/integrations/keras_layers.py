@@ -112,7 +112,7 @@ class LayerOutputs:
         """
         if not isinstance(model, keras.Model):
             raise TypeError(f"layer_outputs takes a keras.Model as model=, got {model!r}.")
-        layers = _layers_of(model)
+        layers = layers_of(model)
         known = [layer.name for layer in layers]
         if self.predicate is None:
             unknown = [name for name in self.names if name not in known]
@@ -215,7 +215,7 @@ def _outputs(view: ForwardView, ops: list[tf.Operation]) -> list[tf.Tensor]:
     ]
 
 
-def _layers_of(model: keras.Model) -> list[keras.layers.Layer]:
+def layers_of(model: keras.Model) -> list[keras.layers.Layer]:
     """The model and every layer inside it, those of nested models and custom layers too.
     Keras 3 has no public walk of them all (`Model.layers` is one level, and only models have
     it); `_flatten_layers` is the walk Keras itself uses for weights and summaries."""

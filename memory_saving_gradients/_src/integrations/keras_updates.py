@@ -20,7 +20,7 @@ import logging
 import math
 import statistics
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import keras
 import numpy as np
@@ -72,6 +72,21 @@ def update_scratch(optimizer: keras.optimizers.Optimizer) -> float:
     return _MEASURED.get(optimizer, 0.0)
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's garbage collected once, then not again until the block ends: garbage freed
+    during an update would read as less than it holds. One collection, not one per update:
+    in a process holding many models each takes a good part of a second."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Applying) -> float:
     """`update_scratch` of a copy of `optimizer`, applying a gradient made in the function
     that applies it, so that the update may take its buffer over as the step's does."""
@@ -86,10 +101,8 @@ def _measured(optimizer: keras.optimizers.Optimizer, device: str, applying: Appl
             probe.apply([gradient], [variable])
 
     gradient_bytes = 4 * PROBE_ELEMENTS
-    peaks = []
-    for _ in range(PROBE_RUNS):
-        gc.collect()  # garbage freed during an update would read as less than it holds
-        peaks.append(peak_memory(update, device))
+    with _collection_paused():
+        peaks = [peak_memory(update, device) for _ in range(PROBE_RUNS)]
     # The temporaries are whole buffers of the probe's size: counted in whole gradients,
     # rounded down, since a request handed a larger free block whole reads above them.
     return float(max(0, math.floor(statistics.median(peaks) / gradient_bytes - 1)))
