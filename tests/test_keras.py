@@ -655,3 +655,37 @@ def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile, policy):
         {"rtol": 1e-3, "atol": 1e-4} if policy != "float32" else {"rtol": 1e-4, "atol": 1e-6}
     )
     assert_same_weights(checkpointed, plain, **tolerances)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_attention_dropout_masks_drawn_again_train_as_keras(policy):
+    """What 'memory' does on a GPU (NOTE [masks made again]), asked for on this CPU:
+    `MultiHeadAttention`'s dropout masks, drawn by Keras's stateless seed generator, are
+    drawn again where their selects are recomputed, with the forward pass's bits. `fit` ends
+    with Keras's own weights, under mixed_float16 too (the masks drawn beside float16
+    probabilities)."""
+    from memory_saving_gradients._src.models import transformers
+    from memory_saving_gradients._src.planning import policies
+
+    def drawing_again(view):
+        return policies.memory(view, "memory, masks drawn again").remaking_outside()
+
+    def trained(enabled: bool) -> keras.Model:
+        task = transformers.encoder(blocks=2, width=32, length=128, batch=8, batches=2)
+        if enabled:
+            msg.keras.enable(task.model, checkpoints=drawing_again)
+        model = task.compile()
+        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        checkpointed, plain = trained(True), trained(False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    plan = checkpointed.checkpoint_plan
+    assert plan.pays and len(plan.remade) == 2, plan
+    tolerances = (
+        {"rtol": 1e-3, "atol": 1e-4} if policy != "float32" else {"rtol": 1e-4, "atol": 1e-6}
+    )
+    assert_same_weights(checkpointed, plain, **tolerances)

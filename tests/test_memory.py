@@ -943,3 +943,32 @@ def test_memory_draws_masks_again_where_a_gpu_draws_them():
 
         plan.get_concrete_function()
     assert remade == {"/CPU:0": 0, "/GPU:0": 12}
+
+
+def test_masks_drawn_again_in_a_session_give_tensorflows_gradients():
+    """A `tf.compat.v1` graph run in a Session (under TF1 behaviour too: the seed in a
+    reference variable): the masks drawn again have the forward pass's bits, so the
+    gradients are `tf.gradients`', and the plan draws each block's mask again."""
+    rng = np.random.default_rng(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = [
+            tf.compat.v1.Variable(rng.normal(size=(16, 16)).astype("f4") * 0.2) for _ in range(6)
+        ]
+        x = tf.constant(rng.normal(size=(2, 4, 128, 16)).astype("f4"))  # 128 KiB masks
+        seed = tf.compat.v1.Variable([3, 4], dtype=tf.int64)
+        loss = _dropped_attention_loss(
+            weights,
+            x,
+            tf.identity(seed),
+            lambda p, block, seed: tf.nn.experimental.stateless_dropout(p, 0.1, seed=seed + block),
+        )
+        plan = msg.plan(loss, weights, checkpoints="memory").remaking_outside()
+        checkpointed = msg.gradients(loss, weights, checkpoints=plan)
+        plain = tf.gradients(loss, weights)
+        init = tf.compat.v1.global_variables_initializer()
+    assert len(plan.remade) == 6, plan
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        want, have = session.run([plain, checkpointed])
+    assert_same_gradients(want, have)
