@@ -123,7 +123,7 @@ def keras_fit_under(strategy: tf.distribute.Strategy) -> dict:
             )
             if enabled:
                 msg.keras.enable(model)
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # slots, mirrored
         graphs = []
         step = model.train_step
 

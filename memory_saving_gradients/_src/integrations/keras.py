@@ -343,15 +343,17 @@ def _measuring_train_function(checkpoints: CheckpointsArg):
 
 
 def _build_optimizer(model: keras.Model) -> None:
-    """Make the optimizer's variables before the step is traced, where the model's are made.
-    Keras leaves that to the optimizer's first `apply`, inside the traced step; a
-    `tf.function` whose first trace makes variables is traced again, and the step would be
-    planned twice."""
+    """Make the optimizer's variables before the step is traced, once the model's exist
+    (every layer built), under the model's distribution strategy. Keras leaves that to the
+    optimizer's first `apply`, inside the traced step, and a `tf.function` whose first trace
+    makes variables is traced again: the step would be planned twice. An unbuilt model's
+    are left to Keras."""
     optimizer = model.optimizer
     if optimizer is None or optimizer.built:
         return
     if all(layer.built for layer in layers_of(model)):
-        optimizer.build(model.trainable_variables)
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
 
 
 def _measure_update_scratch(model: keras.Model) -> None:
