@@ -615,6 +615,31 @@ def test_attention_without_dropout_trains_as_keras(checkpoints, jit_compile):
     assert_same_weights(trained(True), trained(False), rtol=1e-4, atol=1e-6)
 
 
+def encoders_trained(checkpoints, policy: str, jit_compile: bool = False):
+    """(enabled with `checkpoints`, plain) encoders with attention dropout after two epochs of
+    `fit` under the mixed-precision `policy`, the enabled one's plan, and the tolerances
+    their weights are compared with."""
+    from memory_saving_gradients._src.models import transformers
+
+    def trained(enabled: bool) -> keras.Model:
+        task = transformers.encoder(blocks=2, width=32, length=128, batch=8, batches=2)
+        if enabled:
+            msg.keras.enable(task.model, checkpoints=checkpoints)
+        model = task.compile(jit_compile=jit_compile)
+        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        checkpointed, plain = trained(True), trained(False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    tolerances = (
+        {"rtol": 1e-3, "atol": 1e-4} if policy != "float32" else {"rtol": 1e-4, "atol": 1e-6}
+    )
+    return checkpointed, plain, checkpointed.checkpoint_plan, tolerances
+
+
 @pytest.mark.parametrize(
     ("jit_compile", "policy"),
     [(False, "float32"), (True, "float32"), (False, "mixed_float16")],
@@ -627,7 +652,6 @@ def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile, policy):
     after it is recomputed with the same seeds (NOTE [saved inside segments]). `fit` ends
     with Keras's own weights, with XLA too, and under mixed_float16 (the softmax in float32
     between casts) to float16 round-off."""
-    from memory_saving_gradients._src.models import transformers
     from memory_saving_gradients._src.planning import saving, search
 
     def keep_softmaxes(view):
@@ -636,24 +660,8 @@ def test_attention_with_its_softmaxes_kept_trains_as_keras(jit_compile, policy):
         assert [t.op.type for t in softmaxes] == ["Softmax", "Softmax"]
         return search.least_peak_saving(view, [*speed_set, *softmaxes], "softmaxes kept")
 
-    def trained(enabled: bool) -> keras.Model:
-        task = transformers.encoder(blocks=2, width=32, length=128, batch=8, batches=2)
-        if enabled:
-            msg.keras.enable(task.model, checkpoints=keep_softmaxes)
-        model = task.compile(jit_compile=jit_compile)
-        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
-        return model
-
-    keras.mixed_precision.set_global_policy(policy)
-    try:
-        checkpointed, plain = trained(True), trained(False)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    plan = checkpointed.checkpoint_plan
+    checkpointed, plain, plan, tolerances = encoders_trained(keep_softmaxes, policy, jit_compile)
     assert plan.pays and "Softmax" in {t.op.type for t in plan.saved}, plan
-    tolerances = (
-        {"rtol": 1e-3, "atol": 1e-4} if policy != "float32" else {"rtol": 1e-4, "atol": 1e-6}
-    )
     assert_same_weights(checkpointed, plain, **tolerances)
 
 
@@ -664,28 +672,11 @@ def test_attention_dropout_masks_drawn_again_train_as_keras(policy):
     drawn again where their selects are recomputed, with the forward pass's bits. `fit` ends
     with Keras's own weights, under mixed_float16 too (the masks drawn beside float16
     probabilities)."""
-    from memory_saving_gradients._src.models import transformers
     from memory_saving_gradients._src.planning import policies
 
     def drawing_again(view):
         return policies.memory(view, "memory, masks drawn again").remaking_outside()
 
-    def trained(enabled: bool) -> keras.Model:
-        task = transformers.encoder(blocks=2, width=32, length=128, batch=8, batches=2)
-        if enabled:
-            msg.keras.enable(task.model, checkpoints=drawing_again)
-        model = task.compile()
-        model.fit(task.x, task.y, batch_size=task.batch, epochs=2, shuffle=False, verbose=0)
-        return model
-
-    keras.mixed_precision.set_global_policy(policy)
-    try:
-        checkpointed, plain = trained(True), trained(False)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    plan = checkpointed.checkpoint_plan
+    checkpointed, plain, plan, tolerances = encoders_trained(drawing_again, policy)
     assert plan.pays and len(plan.remade) == 2, plan
-    tolerances = (
-        {"rtol": 1e-3, "atol": 1e-4} if policy != "float32" else {"rtol": 1e-4, "atol": 1e-6}
-    )
     assert_same_weights(checkpointed, plain, **tolerances)
