@@ -9,8 +9,8 @@ Every step is built on a fresh model (same seed), run once to warm up, then once
 activation memory is the allocator's peak minus what was resident before the step (weights,
 inputs), `profiling.peak_memory`, the smallest over a few fresh builds. Times are medians of
 steps taken in turns, all methods of one depth interleaved after one untimed round, so that
-the machine's drift reaches them alike; they are compared with plain measured in the same
-turns.
+the machine's drift reaches them alike; a method's time over its reference's is the median of
+each turn's ratio (`profiling.turn_ratios`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import memory_saving_gradients as msg
 from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients._src.planning import policies
 from memory_saving_gradients._src.planning.policies import CheckpointsArg
+from memory_saving_gradients._src.profiling import turn_ratios
 from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
 
 MIB = 2**20
@@ -126,7 +127,7 @@ class Point:
       memory_ratio: `activation_mib` over its reference's at the same depth (plain's, or for
         grappler's recomputation plain's in a Session).
       step_s: the median seconds per step.
-      time_ratio: `step_s` over its reference's, from the same interleaved turns.
+      time_ratio: the median of each turn's time over its reference's in that turn.
       build_s: seconds to build the step (trace and rewrite, or graph and Session).
     """
 
@@ -278,8 +279,9 @@ def sweep(
                 f"{peaks[method.name]:.1f} MiB (built in {step.build_s:.1f} s)"
             )
         runs = {method_name: step.run for method_name, step in steps.items()}
-        times = interleaved_step_times(runs, 1 + setting.repeats)  # the first round untimed
-        step_s = {method_name: statistics.median(t[1:]) for method_name, t in times.items()}
+        times = interleaved_step_times(runs, 1 + setting.repeats)
+        timed = {method_name: t[1:] for method_name, t in times.items()}  # the first untimed
+        step_s = {method_name: statistics.median(t) for method_name, t in timed.items()}
         for method in applicable:
             steps[method.name].close()
             mib, reference_mib = peaks[method.name], peaks[method.reference]
@@ -291,7 +293,7 @@ def sweep(
                     mib,
                     mib / reference_mib if reference_mib else math.nan,
                     step_s[method.name],
-                    step_s[method.name] / step_s[method.reference],
+                    turn_ratios(timed, method.reference)[method.name].median,
                     steps[method.name].build_s,
                 )
             )

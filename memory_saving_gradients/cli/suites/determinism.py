@@ -7,7 +7,8 @@ gradients of the model's training loss in a `tf.function` (returned, so weight g
 to the end of the step, as the planner is told), with two inter-op threads: the executor then
 runs ready ops in an order that varies from step to step. Each configuration is traced once,
 warmed up and measured on several steps (the allocator's peak above resident memory), best
-and worst; step times are medians of steps of all configurations taken in turns, over plain's.
+and worst; step times are the medians of each turn's ratio to plain's, the steps of every
+configuration taken in turns (`msg.profiling.step_time_ratios`).
 Each model runs in a fresh interpreter (the thread count must be set before TensorFlow's
 runtime starts) whose allocator was first grown, so that each request is cut from one large
 free block rather than from whatever regions earlier models left.
@@ -21,7 +22,6 @@ out whole).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 from memory_saving_gradients.cli import runtime
@@ -50,7 +50,7 @@ TOP_OPS = 8
 @dataclasses.dataclass(frozen=True)
 class Size:
     """The zoo models, their `zoo.Scale` (as keyword arguments), measured steps per
-    configuration and timed steps of each."""
+    configuration and turns timed (`step_time_ratios`)."""
 
     models: tuple[str, ...]
     scale: dict[str, int]
@@ -80,7 +80,8 @@ def run(page: Page, quick: bool, device: str) -> None:
         f"float32, {THREADS} inter-op threads, on {device}; each model in a process of its own "
         f"whose allocator was first grown by {GROWN_MIB} MiB. *best*, *worst*: the allocator's "
         f"peak above resident memory over {size.steps} steps; *time*: the median of "
-        f"{size.repeats} steps taken in turns, over plain's; *requested*: the largest sum of "
+        f"{size.repeats} turns' ratios of a step's time to plain's in the same turn; "
+        "*requested*: the largest sum of "
         "bytes live tensors requested in one profiled step; *rounding*: the allocator's peak "
         "of that step less what its live tensors requested then."
     )
@@ -146,7 +147,7 @@ def measure_model(
     import memory_saving_gradients as msg
     from memory_saving_gradients._src.models import zoo
     from memory_saving_gradients.cli.suites import trace
-    from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
+    from memory_saving_gradients.profiling import peak_memory, step_time_ratios
 
     tf.config.threading.set_inter_op_parallelism_threads(THREADS)
     keras.mixed_precision.set_global_policy(dtype)
@@ -172,10 +173,8 @@ def measure_model(
         if config == "'memory'":
             top = trace.by_op(traced.live_at_requested_peak).most_common(TOP_OPS)
             found[config]["alive"] = [(op, size / MIB) for op, size in top]
-    times = interleaved_step_times(runs, 1 + repeats)
-    plain_s = statistics.median(times["plain"][1:])
-    for config, seconds in times.items():
-        found[config]["time_ratio"] = statistics.median(seconds[1:]) / plain_s
+    for config, ratio in step_time_ratios(runs, "plain", repeats).items():
+        found[config]["time_ratio"] = ratio.median
     return found
 
 

@@ -30,7 +30,8 @@ def run(page: Page, quick: bool, device: str) -> None:
         f"its own ({determinism.THREADS} inter-op threads, allocator first grown by "
         f"{determinism.GROWN_MIB} MiB). *MiB*: the worst of {size.steps} steps' allocator "
         "peaks above resident memory; *'memory' / plain*: 'memory''s worst over plain's; "
-        f"*time*: 'memory''s median step of {size.repeats} taken in turns, over plain's."
+        f"*time*: the median of {size.repeats} turns' ratios of 'memory''s step time to "
+        "plain's in the same turn."
     )
     rows = []
     for name in size.models:

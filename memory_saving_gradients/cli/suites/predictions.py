@@ -12,14 +12,14 @@ resident memory, the smallest of `builds` measurements, and the largest sum of b
 tensors requested in one profiled step (`trace.profiled`). The simulator models requested
 bytes; the allocator reads more where it hands a request a free block of up to twice its size
 whole, and TensorFlow's CPU allocator does not count requests under 256 KiB. Errors are
-against the measured peak; step times are medians of steps taken in turns, as ratios to
-plain's, beside each plan's `time_ratio`.
+against the measured peak; step times are the medians of each turn's ratio to plain's (steps
+taken in turns, `msg.profiling.step_time_ratios`) and their middle half, beside each plan's
+`time_ratio`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 from memory_saving_gradients._src.models import command as models
@@ -66,19 +66,20 @@ QUICK = (Case("chain", 8, models.Shape(batch=512, width=128, size=0)),)
 def run(page: Page, quick: bool, device: str) -> None:
     cases = QUICK if quick else FULL
     methods = METHODS[:1] if quick else METHODS
-    builds, repeats = (1, 2) if quick else (2, 5)
+    builds, turns = (1, 2) if quick else (2, 15)
     page.text(
         "Each model in a process of its own, its allocator first grown by "
         f"{GROWN_MIB} MiB; a `tf.function` step returning the gradients of every variable, "
         f"float32, on {device}. *measured*: the allocator's peak above resident memory, the "
         f"smallest of {builds} steps; *requested*: the largest sum of bytes live tensors "
         "requested in one profiled step; errors are predicted over measured, less one; "
-        f"*time*: the median of {repeats} steps taken in turns, over plain's."
+        f"*time*: the median of {turns} turns' ratios of a step's time to plain's in the same "
+        "turn; *middle half*: the quartiles of those ratios."
     )
     page.text("Models: " + "; ".join(case.describe() for case in cases) + ".")
     header = [
         "model", "method", "static MiB", "error", "from measured costs MiB", "error",
-        "measured MiB", "requested MiB", "time / plain", "predicted time",
+        "measured MiB", "requested MiB", "time / plain", "middle half", "predicted time",
     ]  # fmt: skip
     rows = []
     for case in cases:
@@ -90,7 +91,7 @@ def run(page: Page, quick: bool, device: str) -> None:
             shape=dataclasses.asdict(case.shape),
             methods=list(methods),
             builds=builds,
-            repeats=repeats,
+            turns=turns,
             device=device,
         )
         for row in found:
@@ -106,6 +107,7 @@ def run(page: Page, quick: bool, device: str) -> None:
                     f"{measured / MIB:.1f}",
                     f"{row['requested'] / MIB:.1f}",
                     f"{row['time_ratio']:.2f}x",
+                    f"{row['time_quartiles'][0]:.2f}-{row['time_quartiles'][1]:.2f}x",
                     number(row["predicted_time"], "{:.2f}x"),
                 ]
             )
@@ -118,7 +120,7 @@ def measure_case(
     shape: dict[str, Any],
     methods: list[str],
     builds: int,
-    repeats: int,
+    turns: int,
     device: str,
 ) -> list[dict[str, Any]]:
     """Plain and each method on `model`, predicted from static and measured costs and
@@ -127,7 +129,7 @@ def measure_case(
 
     import memory_saving_gradients as msg
     from memory_saving_gradients.cli.suites import trace
-    from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
+    from memory_saving_gradients.profiling import peak_memory, step_time_ratios
 
     runtime.grow_allocator(GROWN_MIB, device)
     built = models.build(model, depth, models.Shape(**shape))
@@ -163,8 +165,7 @@ def measure_case(
         run()
         measured[label] = min(peak_memory(run, device) for _ in range(builds))
         requested[label] = trace.profiled(run, device).requested_peak
-    times = interleaved_step_times(steps, 1 + repeats)
-    seconds = {label: statistics.median(t[1:]) for label, t in times.items()}
+    times = step_time_ratios({name: steps[name] for name in ("plain", *methods)}, "plain", turns)
     first = methods[0]
     rows = [
         {
@@ -174,6 +175,7 @@ def measure_case(
             "measured": measured["plain"],
             "requested": requested["plain"],
             "time_ratio": 1.0,
+            "time_quartiles": (1.0, 1.0),
             "predicted_time": None,
         }
     ]
@@ -185,7 +187,8 @@ def measure_case(
                 "costs": plans[name].peak_bytes,
                 "measured": measured[name],
                 "requested": requested[name],
-                "time_ratio": seconds[name] / seconds["plain"],
+                "time_ratio": times[name].median,
+                "time_quartiles": (times[name].lower_quartile, times[name].upper_quartile),
                 "predicted_time": plans[name].time_ratio,
             }
         )

@@ -10,14 +10,14 @@ process", what a training script sees) and once one free block far larger than t
 made, from which each request is cut to its size ("grown allocator": what the step needs).
 For steps XLA compiles, the size of XLA's own buffers (its buffer assignment, read from an XLA
 dump: the temporary buffer and the outputs that alias no input) is given too. Step times are
-medians of the XLA steps taken in turns in one process, 'memory' over plain.
+the medians of each turn's ratio of 'memory''s XLA step to plain's, taken in turns in one
+process (`msg.profiling.step_time_ratios`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ METHOD = "memory"
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-    """Layers and width of each workload, the batch, and timed steps per method."""
+    """Layers and width of each workload, the batch, and turns timed (`step_time_ratios`)."""
 
     workloads: tuple[str, ...]
     chain_depth: int
@@ -56,7 +56,8 @@ def run(page: Page, quick: bool, device: str) -> None:
         f"layers of {size.width}; keras: {size.keras_depth} tanh Dense layers of "
         f"{size.width} and a Dense(1) head, SGD. MiB above resident memory, each point in a "
         f"fresh process: as its allocator starts, and once grown by {GROWN_MIB} MiB; "
-        f"*time*: the median of {size.repeats} XLA steps taken in turns, over plain XLA's."
+        f"*time*: the median of {size.repeats} turns' ratios of an XLA step's time to plain "
+        "XLA's in the same turn."
     )
     rows = []
     for workload in size.workloads:
@@ -138,11 +139,10 @@ def measure_point(
 
 def _time_ratio(size: Size, workload: str, device: str) -> float:
     """'memory''s XLA step time over plain XLA's, from steps taken in turns here."""
-    from memory_saving_gradients.profiling import interleaved_step_times
+    from memory_saving_gradients.profiling import step_time_ratios
 
     runs = {method: _STEPS[workload](size, method, True) for method in ("plain", METHOD)}
-    times = interleaved_step_times(runs, 1 + size.repeats)
-    return statistics.median(times[METHOD][1:]) / statistics.median(times["plain"][1:])
+    return step_time_ratios(runs, "plain", size.repeats)[METHOD].median
 
 
 def _chain_step(size: Size, method: str, jit: bool) -> Any:
