@@ -4,6 +4,7 @@
     peak_memory(step)                                      # bytes the step needed at its peak
     interleaved_step_times({"plain": plain, "checkpointed": step})  # seconds, taken in turns
     step_time_ratios({"plain": plain, "checkpointed": step}, "plain")  # over plain's, per turn
+    turn_ratios(interleaved_step_times(steps, 15), "plain")  # the same, of times taken
 
 `measure_costs(step)` profiles a plain step kernel by kernel, to plan from (also
 `msg.measure_costs`). Each is made in `memory_saving_gradients._src.profiling`.
@@ -15,6 +16,7 @@ from memory_saving_gradients._src.profiling import (
     measure_costs,
     peak_memory,
     step_time_ratios,
+    turn_ratios,
 )
 
 __all__ = [
@@ -23,4 +25,5 @@ __all__ = [
     "measure_costs",
     "peak_memory",
     "step_time_ratios",
+    "turn_ratios",
 ]

@@ -28,8 +28,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 import memory_saving_gradients as msg
-from memory_saving_gradients._src.profiling import turn_ratios
-from memory_saving_gradients.profiling import TimeRatio, peak_memory
+from memory_saving_gradients.profiling import TimeRatio, peak_memory, turn_ratios
 from tests.helpers import (
     assert_same_gradients,
     one_level,
@@ -102,6 +101,10 @@ def test_time_ratios_divide_each_turn_by_the_references_time_in_that_turn():
     assert spread["other"].median == pytest.approx(1.2)
     assert spread["other"].lower_quartile == pytest.approx(1.05)
     assert spread["other"].upper_quartile == pytest.approx(1.35)
+    with pytest.raises(ValueError, match="'fast' is not one of the steps"):
+        turn_ratios(times, "fast")
+    with pytest.raises(ValueError, match=r"\['short'\] have not as many"):
+        turn_ratios({**times, "short": [1.0]}, "plain")
 
 
 def test_step_time_ratios_take_the_steps_in_turns_after_untimed_ones():

@@ -314,7 +314,10 @@ def dense_tanh_model(depth: int, width: int) -> keras.Model:
     )
 
 
-def test_keras_fit_stays_compiled_by_xla_and_keeps_its_savings():
+def keras_xla_fit_report() -> dict:
+    """Plain and 'memory' Keras `fit` of a tanh Dense stack compiled by XLA: whether each
+    trace of the enabled step was compiled (by its graph's name), the largest difference of
+    their weights after `fit`, and each one's `train_on_batch` peak in MiB."""
     depth, width, batch = 24, 256, 2048
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2 * batch, width)).astype("f4")
@@ -340,10 +343,23 @@ def test_keras_fit_stays_compiled_by_xla_and_keeps_its_savings():
         assert model.jit_compile
         trained[name] = model.get_weights()
         found[name] = peak_mib(lambda m=model: m.train_on_batch(x[:batch], y[:batch]))
+    difference = max(
+        float(np.abs(have - want).max() / max(np.abs(want).max(), 1e-6))
+        for want, have in zip(trained["plain"], trained["memory"], strict=True)
+    )
+    return {"compiled_by_xla": compiled_by_xla, "difference": difference, **found}
+
+
+def test_keras_fit_stays_compiled_by_xla_and_keeps_its_savings():
+    """In a fresh interpreter: in the suite's, after hundreds of tests the allocator's freed
+    blocks served the enabled step, which read 29.5 MiB against plain's 54.3 once."""
+    code = "import json; from tests.test_xla import keras_xla_fit_report; "
+    code += "print(json.dumps(keras_xla_fit_report()))"
+    found = json.loads(run_python("-c", code).strip().splitlines()[-1])
     # Each trace of the step, named by its graph, so a failure says which one left XLA.
-    assert compiled_by_xla and all(compiled for _, compiled in compiled_by_xla), compiled_by_xla
-    for want, have in zip(trained["plain"], trained["memory"], strict=True):
-        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    compiled = found["compiled_by_xla"]
+    assert compiled and all(on for _, on in compiled), compiled
+    assert found["difference"] <= 1e-5, found
     # Measured on TensorFlow 2.21: plain 54.3 MiB, 'memory' 17.5 MiB (0.32).
     assert found["memory"] <= 0.5 * found["plain"], found
 

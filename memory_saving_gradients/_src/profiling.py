@@ -87,8 +87,17 @@ def step_time_ratios(
 
 
 def turn_ratios(times: Mapping[str, list[float]], reference: str) -> dict[str, TimeRatio]:
-    """`TimeRatio`s of steps timed in turns (`times[name][i]`: turn i's seconds of a step)
-    over the `reference` step's."""
+    """`TimeRatio`s of steps timed in turns (`times[name][i]`: turn i's seconds of a step, as
+    `interleaved_step_times` gives them, less any warm-up turns) over the `reference` step's:
+    one set of turns compared with several references."""
+    if reference not in times:
+        raise ValueError(f"reference {reference!r} is not one of the steps {sorted(times)}.")
+    uneven = sorted(name for name, taken in times.items() if len(taken) != len(times[reference]))
+    if uneven or not times[reference]:
+        raise ValueError(
+            f"every step needs a time for each of the reference's {len(times[reference])} "
+            f"turns (at least one); {uneven} have not as many."
+        )
     ratios = {}
     for name, taken in times.items():
         each = sorted(t / r for t, r in zip(taken, times[reference], strict=True))

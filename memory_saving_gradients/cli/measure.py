@@ -28,8 +28,7 @@ import memory_saving_gradients as msg
 from memory_saving_gradients._src.models import command as models
 from memory_saving_gradients._src.planning import policies
 from memory_saving_gradients._src.planning.policies import CheckpointsArg
-from memory_saving_gradients._src.profiling import turn_ratios
-from memory_saving_gradients.profiling import interleaved_step_times, peak_memory
+from memory_saving_gradients.profiling import interleaved_step_times, peak_memory, turn_ratios
 
 MIB = 2**20
 LEARNING_RATE = 0.01
