@@ -4,7 +4,7 @@
     peak_memory(step)                                      # bytes the step needed at its peak
     interleaved_step_times({"plain": plain, "checkpointed": step})  # seconds, taken in turns
     step_time_ratios({"plain": plain, "checkpointed": step}, "plain")  # over plain's, per turn
-    turn_ratios(interleaved_step_times(steps, 15), "plain")  # the same, of times taken
+    turn_ratios({name: t[1:] for name, t in times.items()}, "plain")  # times taken, less warm-up
 
 `measure_costs(step)` profiles a plain step kernel by kernel, to plan from (also
 `msg.measure_costs`). Each is made in `memory_saving_gradients._src.profiling`.

@@ -281,6 +281,7 @@ def sweep(
         times = interleaved_step_times(runs, 1 + setting.repeats)
         timed = {method_name: t[1:] for method_name, t in times.items()}  # the first untimed
         step_s = {method_name: statistics.median(t) for method_name, t in timed.items()}
+        ratios = {m.reference: turn_ratios(timed, m.reference) for m in applicable}
         for method in applicable:
             steps[method.name].close()
             mib, reference_mib = peaks[method.name], peaks[method.reference]
@@ -292,7 +293,7 @@ def sweep(
                     mib,
                     mib / reference_mib if reference_mib else math.nan,
                     step_s[method.name],
-                    turn_ratios(timed, method.reference)[method.name].median,
+                    ratios[method.reference][method.name].median,
                     steps[method.name].build_s,
                 )
             )
